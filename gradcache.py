@@ -1,0 +1,414 @@
+"""Gradient Cache: a contrastive batch of any size for the memory of one chunk, with exact gradients.
+
+Gao, Zhang, Han, Callan. "Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup".
+RepL4NLP 2021. https://arxiv.org/abs/2101.06983
+
+An in-batch-negatives loss L(r_1, ..., r_B) couples every representation r_i = f(x_i; theta) of the
+batch, so plain back-propagation keeps the activations of all B examples alive. The chain rule splits
+the gradient at the representations:
+
+    dL/dtheta = sum_i  (dL/dr_i)^T  dr_i/dtheta
+
+The first factor needs every r_i but no activations; each term of the sum needs one example's
+activations but no other example. So one training step is:
+
+    1. encode        the batch chunk by chunk under no_grad, keeping only the representations
+                     (and each chunk's RNG state, so that dropout can be replayed);
+    2. cache         compute the full-batch loss on the detached representations and
+                     g_i = dL/dr_i, the representation gradients;
+    3. re-encode     chunk by chunk with grad, replaying the chunk's RNG state so dropout draws the same
+                     masks, and back-propagate the surrogate sum_i <r_i, g_i>, whose gradient is the
+                     chunk's share of dL/dtheta.
+
+The parameter gradients equal those of the full batch; peak memory is one chunk's activations. Two
+refinements cost nothing in exactness: the chunk encoded last in stage 1 keeps its graph and is
+back-propagated directly (N chunks cost N - 1 re-encodings), and examples are grouped into chunks by
+length so a chunk pays for its own longest text, not the batch's.
+
+This file depends on torch alone. The training framework enters through two arguments of
+`gradcache_step`: `backward(surrogate)` (e.g. `accelerator.backward`, which applies the fp16 loss scale
+once and, under DeepSpeed, steps the optimizer) and `sync_context(is_last)` (which lets only the last
+backward of the batch synchronize gradients across processes). `accelerate_sync_context` builds the
+latter for Hugging Face accelerate without importing it.
+"""
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+# ---------------------------------------------------------------------------------------------------------
+# Losses on representations: any callable loss(*reps) -> scalar works; reps come in column order.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def contrastive_loss(anchor, positive, *negatives, scale=20.0, similarity="cos", symmetric=False):
+    """In-batch-negatives InfoNCE (MultipleNegativesRankingLoss).
+
+    Anchor i is scored against every positive and every hard negative of the batch; its own positive is
+    the right answer. `scale` is the inverse temperature. `symmetric` adds the document-to-query term:
+    positive i scored against every anchor.
+    """
+    if similarity == "cos":
+        anchor, positive = F.normalize(anchor, dim=-1), F.normalize(positive, dim=-1)
+        negatives = [F.normalize(negative, dim=-1) for negative in negatives]
+    elif similarity != "dot":
+        raise ValueError(f"similarity must be 'cos' or 'dot', got {similarity!r}")
+    labels = torch.arange(len(anchor), device=anchor.device)
+    candidates = torch.cat([positive, *negatives])
+    loss = F.cross_entropy(scale * anchor @ candidates.T, labels)
+    if symmetric:
+        loss = (loss + F.cross_entropy(scale * positive @ anchor.T, labels)) / 2
+    return loss
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Inputs: a column is a dict of batch-first tensors (sentence-transformers features), a tensor, or
+# anything a user `select(column, index)` understands.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def sentence_embedding(output):
+    """The representation a sentence-transformers model returns; other outputs pass through."""
+    return output["sentence_embedding"] if isinstance(output, Mapping) else output
+
+
+def batch_size_of(column):
+    if isinstance(column, Mapping):
+        for key in ("attention_mask", "input_ids"):
+            if isinstance(column.get(key), torch.Tensor):
+                return len(column[key])
+        return len(next(value for value in column.values() if isinstance(value, torch.Tensor)))
+    return len(column)
+
+
+def select_examples(column, index):
+    """The examples `index` of a column, with padding columns that no selected example uses trimmed.
+
+    Non-tensor entries (sentence-transformers' `'modality'`) and 0-d tensors pass through unchanged.
+    Only trailing padding is trimmed, so left-padded inputs keep their positions.
+    """
+    if isinstance(column, torch.Tensor):
+        return column[index.to(column.device)]
+    if not isinstance(column, Mapping):
+        return [column[i] for i in index.tolist()]
+    chunk = {
+        key: value[index.to(value.device)] if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+        for key, value in column.items()
+    }
+    mask = chunk.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        width = mask.shape[1]
+        used = int(mask.any(dim=0).nonzero().max()) + 1 if mask.any() else width
+        for key, value in chunk.items():
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == width:
+                chunk[key] = value[:, :used]
+    return chunk
+
+
+def plan_chunks(column, chunk_size, sort_by_length=True):
+    """Index tensors splitting a column into chunks of at most `chunk_size` examples.
+
+    With `sort_by_length` and an attention mask, examples are ordered longest first (stable), so each
+    chunk holds texts of similar length and trims most of its padding; the longest chunk comes first, so
+    a chunk size that does not fit fails at once.
+    """
+    batch_size = batch_size_of(column)
+    mask = column.get("attention_mask") if isinstance(column, Mapping) else None
+    if sort_by_length and isinstance(mask, torch.Tensor):
+        order = torch.argsort(mask.sum(dim=1).cpu(), descending=True, stable=True)
+    else:
+        order = torch.arange(batch_size)
+    return list(order.split(chunk_size))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Refusing what cannot be exact
+# ---------------------------------------------------------------------------------------------------------
+
+
+def check_examples_independent(module):
+    """Raise if `module` mixes examples across the batch (BatchNorm in training mode).
+
+    Such a layer computes different outputs for a chunk than for the full batch, so no chunked gradient
+    can equal the full-batch one. BatchNorm in eval mode uses running statistics and is fine.
+    """
+    mixing = [
+        name or type(module).__name__
+        for name, layer in module.named_modules()
+        if isinstance(layer, nn.modules.batchnorm._BatchNorm) and layer.training
+    ]
+    if mixing:
+        raise ValueError(
+            f"Gradient Cache cannot be exact: {', '.join(mixing)} normalizes over the batch, so a chunk sees "
+            "other statistics than the full batch. Put these layers in eval mode, replace them (LayerNorm), "
+            "or pass allow_batch_mixing=True to accept inexact gradients."
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RNG replay: the re-encoding must draw the dropout masks of the first encoding
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RngState:
+    cpu: torch.Tensor
+    cuda: dict
+
+    @classmethod
+    def capture(cls, cuda_devices):
+        return cls(torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in cuda_devices})
+
+    @contextlib.contextmanager
+    def replay(self):
+        # fork_rng restores the outer state on exit, so replaying leaves the RNG where stage 1 left it.
+        with torch.random.fork_rng(devices=list(self.cuda)):
+            torch.set_rng_state(self.cpu)
+            for device, state in self.cuda.items():
+                torch.cuda.set_rng_state(state, device)
+            yield
+
+
+def cuda_devices_of(encoder, column):
+    tensors = [value for value in column.values()] if isinstance(column, Mapping) else [column]
+    if isinstance(encoder, nn.Module):
+        tensors += [next(encoder.parameters(), torch.empty(0))]
+    devices = {t.device.index for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        devices.add(torch.cuda.current_device())
+    return sorted(devices)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Cross-process negatives
+# ---------------------------------------------------------------------------------------------------------
+
+
+def gather_from_all_processes(local):
+    """Every process's rows of `local` (detached), in rank order; ranks may hold different row counts."""
+    world_size = dist.get_world_size()
+    size = torch.tensor([len(local)], device=local.device)
+    sizes = [torch.empty_like(size) for _ in range(world_size)]
+    dist.all_gather(sizes, size)
+    rows = max(int(s) for s in sizes)
+    padded = torch.cat([local, local.new_zeros(rows - len(local), *local.shape[1:])])
+    gathered = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(gathered, padded.contiguous())
+    return [g[: int(s)] for g, s in zip(gathered, sizes, strict=True)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The step
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StepReport:
+    loss: torch.Tensor  # detached full-batch loss (the global batch's with cross-process negatives)
+    num_chunks: int  # chunks encoded in stage 1, all columns together
+    num_reencoded: int  # chunks encoded again in stage 3 (num_chunks minus the reused group)
+    rep_grad_norm: float  # norm of the cached representation gradients, all columns together
+
+
+def gradcache_step(
+    encoders,
+    columns: Sequence,
+    loss_fn: Callable = contrastive_loss,
+    chunk_size=32,
+    *,
+    backward: Callable = torch.Tensor.backward,
+    sync_context: Callable = lambda is_last: contextlib.nullcontext(),
+    get_rep: Callable = sentence_embedding,
+    select: Callable = select_examples,
+    sort_by_length: bool = True,
+    reuse_last_chunk: bool = True,
+    replay_rng: bool = True,
+    cross_process_negatives: bool = False,
+    allow_batch_mixing: bool = False,
+) -> StepReport:
+    """Accumulate into `.grad` the exact full-batch gradient of `loss_fn` over `columns`.
+
+    encoders:     one callable shared by all columns, or one per column (query and document towers).
+                  Under DDP give each tower its own DDP wrapper; under DeepSpeed put the towers in one
+                  module and pass callables that route through the engine.
+    columns:      the batch, one entry per text column (anchor, positive, hard negatives...), each a
+                  sentence-transformers features dict, a tensor, or what `select` understands.
+    loss_fn:      loss(*reps) -> scalar on the full batch of representations, in column order.
+    chunk_size:   examples per chunk, an int or one per column; need not divide the batch.
+    backward:     called once per chunk on a surrogate scalar: `accelerator.backward` under accelerate.
+    sync_context: `sync_context(is_last)` is entered around the forward and backward of each chunk that
+                  is back-propagated; only the last chunk of the batch gets `is_last=True`. See
+                  `accelerate_sync_context`.
+    cross_process_negatives: contrast each example with the representations of every process, with
+                  the parameter gradients of one process computing the global batch (assumes the
+                  backend averages gradients over processes, as DDP, FSDP and DeepSpeed do).
+    reuse_last_chunk, replay_rng, sort_by_length: the refinements; switching them off is for benchmarks
+                  and negative controls (without RNG replay, dropout makes the gradients wrong).
+    """
+    columns = list(columns)
+    shared = not isinstance(encoders, Sequence)
+    encoders = [encoders] * len(columns) if shared else list(encoders)
+    chunk_sizes = [chunk_size] * len(columns) if isinstance(chunk_size, int) else list(chunk_size)
+    check_step_arguments(encoders, columns, chunk_sizes, allow_batch_mixing)
+
+    # A group is what one backward covers. A shared encoder back-propagates chunk by chunk. Separate
+    # towers back-propagate one chunk of every column together: under ZeRO-3 every backward must touch
+    # every tower, or a tower's first gradient lands on a stale one (DeepSpeed issue #1355).
+    plans = [plan_chunks(col, size, sort_by_length) for col, size in zip(columns, chunk_sizes, strict=True)]
+    if shared:
+        groups = [[(c, index)] for c, plan in enumerate(plans) for index in plan]
+    else:
+        groups = [
+            [(c, plan[s]) for c, plan in enumerate(plans) if s < len(plan)]
+            for s in range(max(len(plan) for plan in plans))
+        ]
+
+    def encode(group):
+        return [get_rep(encoders[c](select(columns[c], index))) for c, index in group]
+
+    # The kept group's sync context stays open from its forward in stage 1 to its backward in stage 3.
+    with contextlib.ExitStack() as kept_sync:
+        # --- Stage 1: encode every chunk without grad; the last group keeps its graph for reuse. ---
+        chunk_reps = [[] for _ in columns]
+        rng_states = []
+        for g, group in enumerate(groups):
+            devices = sorted({d for c, _ in group for d in cuda_devices_of(encoders[c], columns[c])})
+            rng_states.append(RngState.capture(devices))
+            keep = reuse_last_chunk and g == len(groups) - 1
+            if keep:
+                kept_sync.enter_context(sync_context(len(groups) == 1))
+            with torch.set_grad_enabled(keep):
+                reps = encode(group)
+            for (c, _), rep in zip(group, reps, strict=True):
+                chunk_reps[c].append(rep.detach().float())
+            kept_reps = reps if keep else None
+
+        # --- Stage 2: full-batch loss on detached fp32 representations, and its gradient cache. ---
+        loss, rep_grads = cache_representation_gradients(loss_fn, plans, chunk_reps, cross_process_negatives)
+
+        # --- Stage 3: back-propagate the cache. The kept group goes first, its graph still alive from
+        # stage 1, so that at most one group's activations are held at a time.
+        to_reencode = groups[:-1] if kept_reps is not None else groups
+        if kept_reps is not None:
+            backpropagate_cache(groups[-1], kept_reps, rep_grads, backward)
+            reps = kept_reps = None
+    for g, group in enumerate(to_reencode):
+        with sync_context(g == len(to_reencode) - 1):
+            with rng_states[g].replay() if replay_rng else contextlib.nullcontext():
+                reps = encode(group)
+            backpropagate_cache(group, reps, rep_grads, backward)
+
+    return StepReport(
+        loss=loss,
+        num_chunks=sum(len(plan) for plan in plans),
+        num_reencoded=sum(len(group) for group in to_reencode),
+        rep_grad_norm=float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in rep_grads]))),
+    )
+
+
+def cache_representation_gradients(loss_fn, plans, chunk_reps, cross_process_negatives):
+    """Stage 2: the full-batch loss and dL/dr for every representation, in batch order, fp32, unscaled."""
+    leaves = []
+    for plan, reps in zip(plans, chunk_reps, strict=True):
+        rows = torch.cat(reps)
+        in_batch_order = torch.empty_like(rows)
+        in_batch_order[torch.cat(plan).to(rows.device)] = rows
+        leaves.append(in_batch_order.requires_grad_())
+    world_size = dist.get_world_size() if cross_process_negatives and dist.is_initialized() else 1
+    with torch.autocast(leaves[0].device.type, enabled=False), torch.enable_grad():
+        if world_size > 1:
+            rank = dist.get_rank()
+            batch = [
+                torch.cat(
+                    [leaf if r == rank else rows for r, rows in enumerate(gather_from_all_processes(leaf))]
+                )
+                for leaf in leaves
+            ]
+        else:
+            batch = leaves
+        loss = loss_fn(*batch)
+        if loss.dim() != 0:
+            raise ValueError(
+                f"loss_fn must return a scalar, got shape {tuple(loss.shape)}; reduce it (mean)."
+            )
+        rep_grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    # DDP and DeepSpeed average over processes: each holds 1/world of the global gradient, so scale back.
+    rep_grads = [
+        torch.zeros_like(leaf) if grad is None else grad * world_size
+        for leaf, grad in zip(leaves, rep_grads, strict=True)
+    ]
+    return loss.detach(), rep_grads
+
+
+def backpropagate_cache(group, reps, rep_grads, backward):
+    """Stage 3 for one group: backward of the surrogate sum <r, dL/dr>; its gradient is the group's share."""
+    # fp32 with autocast off: the representation gradients are unscaled, `backward` scales (fp16) once.
+    with torch.autocast(reps[0].device.type, enabled=False):
+        surrogate = sum(
+            (rep.float() * rep_grads[c][index.to(rep.device)]).sum()
+            for (c, index), rep in zip(group, reps, strict=True)
+        )
+    backward(surrogate)
+
+
+def check_step_arguments(encoders, columns, chunk_sizes, allow_batch_mixing):
+    if not columns:
+        raise ValueError("columns is empty: pass at least an anchor and a positive column.")
+    if len(encoders) != len(columns):
+        raise ValueError(
+            f"{len(encoders)} encoders for {len(columns)} columns: pass one shared or one per column."
+        )
+    if len(chunk_sizes) != len(columns):
+        raise ValueError(
+            f"{len(chunk_sizes)} chunk sizes for {len(columns)} columns: pass one int or one per column."
+        )
+    for size in chunk_sizes:
+        if not isinstance(size, int) or size <= 0:
+            raise ValueError(f"chunk_size must be a positive int, got {size!r}.")
+    sizes = [batch_size_of(column) for column in columns]
+    if sizes[0] == 0:
+        raise ValueError("the batch is empty: every column needs at least one example.")
+    if len(set(sizes)) > 1:
+        raise ValueError(
+            f"columns hold different numbers of examples {sizes}: every column needs one per row."
+        )
+    if not allow_batch_mixing:
+        for encoder in {id(e): e for e in encoders}.values():
+            if isinstance(encoder, nn.Module):
+                check_examples_independent(encoder)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hugging Face accelerate (passed in, never imported)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def accelerate_sync_context(accelerator, *models):
+    """`sync_context` for accelerate: only the last chunk of the last outer micro-batch synchronizes.
+
+    `accelerator.sync_gradients` is False for every other chunk: accelerate's DeepSpeed wrapper then
+    neither reduces at the boundary nor steps, so DeepSpeed steps once per batch. Under DDP the other
+    chunks run in `accelerator.no_sync(model)`, saving N - 1 all-reduces. An outer
+    `accelerator.accumulate()` that is not syncing keeps every chunk unsynchronized.
+    """
+
+    @contextlib.contextmanager
+    def sync_context(is_last):
+        outer_sync = accelerator.sync_gradients
+        accelerator.sync_gradients = outer_sync and is_last
+        try:
+            with contextlib.ExitStack() as no_sync:
+                # DeepSpeed's own no_sync refuses a step inside it (ZeRO-1) or does nothing (ZeRO-2/3).
+                if not is_last and accelerator.distributed_type != "DEEPSPEED":
+                    for model in models:
+                        no_sync.enter_context(accelerator.no_sync(model))
+                yield
+        finally:
+            accelerator.sync_gradients = outer_sync
+
+    return sync_context

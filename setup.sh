@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Creates .venv with the pinned requirements. With --dev it also installs what the tests need
+# beyond Python packages: WordNet 3.0 (Debian's wordnet-base), the source of the bundled data set.
+set -euo pipefail
+cd "$(dirname "$0")"
+if [ "${1:-}" = "--dev" ] && [ ! -f /usr/share/wordnet/data.noun ]; then
+  if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq wordnet-base >/dev/null
+  else sudo apt-get update -qq && sudo apt-get install -y -qq wordnet-base >/dev/null; fi
+fi
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/pip install -q --disable-pip-version-check -r requirements.txt
