@@ -262,7 +262,8 @@ def test_rng_is_left_where_one_encoding_pass_leaves_it():
 
 
 def tiny_sentence_transformer(tmp_path):
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
     words = "the a dog cat bird runs sleeps sings over under red blue small large tree house river".split()
@@ -278,8 +279,8 @@ def tiny_sentence_transformer(tmp_path):
         intermediate_size=64,
     )
     BertModel(config).save_pretrained(tmp_path / "bert")
-    transformer = models.Transformer(str(tmp_path / "bert"), max_seq_length=16)
-    return SentenceTransformer(modules=[transformer, models.Pooling(32, "mean")], device="cpu"), words
+    transformer = Transformer(str(tmp_path / "bert"), max_seq_length=16)
+    return SentenceTransformer(modules=[transformer, Pooling(32, "mean")], device="cpu"), words
 
 
 def minilm():
