@@ -189,6 +189,11 @@ def cuda_devices_of(encoder, column):
 # ---------------------------------------------------------------------------------------------------------
 
 
+def guard_device(columns):
+    tensors = [v for col in columns for v in (col.values() if isinstance(col, Mapping) else [col])]
+    return next((t.device for t in tensors if isinstance(t, torch.Tensor)), torch.device("cpu"))
+
+
 def gather_from_all_processes(local):
     """Every process's rows of `local` (detached), in rank order; ranks may hold different row counts."""
     world_size = dist.get_world_size()
@@ -203,6 +208,37 @@ def gather_from_all_processes(local):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Guards: a chunk that runs out of memory, a loss that is not finite. Every process takes the same decision,
+# or the others would wait forever in the next collective.
+# ---------------------------------------------------------------------------------------------------------
+
+
+class ChunkOutOfMemory(RuntimeError):
+    """A chunk did not fit. Nothing of the step is left in memory; gradients may hold part of it."""
+
+
+def any_process(flag, device):
+    """True on every process if `flag` is True on any (a no-op without torch.distributed)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    flags = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return bool(flags.item())
+
+
+def out_of_memory_error(chunk_sizes):
+    def shown(sizes):
+        return sizes[0] if len(set(sizes)) == 1 else sizes
+
+    smaller = shown([max(size // 2, 1) for size in chunk_sizes])
+    return ChunkOutOfMemory(
+        f"a chunk of {shown(chunk_sizes)} examples ran out of memory (on this or another process). Use a "
+        f"chunk size of {smaller} or less: the batch, and so the gradients, stay the same; a step takes "
+        "longer."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The step
 # ---------------------------------------------------------------------------------------------------------
 
@@ -213,6 +249,7 @@ class StepReport:
     num_chunks: int  # chunks encoded in stage 1, all columns together
     num_reencoded: int  # chunks encoded again in stage 3 (num_chunks minus the reused group)
     rep_grad_norm: float  # norm of the cached representation gradients, all columns together
+    skipped: bool = False  # the loss or its representation gradients were not finite: nothing back-propagated
 
 
 def gradcache_step(
@@ -271,25 +308,45 @@ def gradcache_step(
     def encode(group):
         return [get_rep(encoders[c](select(columns[c], index))) for c, index in group]
 
+    device = None  # where the guards' flags live: the representations' device
+    reps = kept_reps = None
+    out_of_memory = False
     # The kept group's sync context stays open from its forward in stage 1 to its backward in stage 3.
     with contextlib.ExitStack() as kept_sync:
         # --- Stage 1: encode every chunk without grad; the last group keeps its graph for reuse. ---
         chunk_reps = [[] for _ in columns]
         rng_states = []
-        for g, group in enumerate(groups):
-            devices = sorted({d for c, _ in group for d in cuda_devices_of(encoders[c], columns[c])})
-            rng_states.append(RngState.capture(devices))
-            keep = reuse_last_chunk and g == len(groups) - 1
-            if keep:
-                kept_sync.enter_context(sync_context(len(groups) == 1))
-            with torch.set_grad_enabled(keep):
-                reps = encode(group)
-            for (c, _), rep in zip(group, reps, strict=True):
-                chunk_reps[c].append(rep.detach().float())
-            kept_reps = reps if keep else None
+        try:
+            for g, group in enumerate(groups):
+                devices = sorted({d for c, _ in group for d in cuda_devices_of(encoders[c], columns[c])})
+                rng_states.append(RngState.capture(devices))
+                keep = reuse_last_chunk and g == len(groups) - 1
+                if keep:
+                    kept_sync.enter_context(sync_context(len(groups) == 1))
+                with torch.set_grad_enabled(keep):
+                    reps = encode(group)
+                for (c, _), rep in zip(group, reps, strict=True):
+                    chunk_reps[c].append(rep.detach().float())
+                device = reps[0].device
+                kept_reps = reps if keep else None
+        except torch.OutOfMemoryError:
+            out_of_memory = True  # raised below, outside the handler, whose traceback would pin the chunk
+        if any_process(out_of_memory, device or guard_device(columns)):
+            raise out_of_memory_error(chunk_sizes)
 
         # --- Stage 2: full-batch loss on detached fp32 representations, and its gradient cache. ---
         loss, rep_grads = cache_representation_gradients(loss_fn, plans, chunk_reps, cross_process_negatives)
+        report = StepReport(
+            loss=loss,
+            num_chunks=sum(len(plan) for plan in plans),
+            num_reencoded=sum(len(group) for group in groups)
+            - (len(groups[-1]) if kept_reps is not None else 0),
+            rep_grad_norm=float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in rep_grads]))),
+        )
+        finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(g).all()) for g in rep_grads)
+        if any_process(not finite, device):
+            report.skipped = True  # an optimizer step on these gradients would poison the weights
+            return report
 
         # --- Stage 3: back-propagate the cache. The kept group goes first, its graph still alive from
         # stage 1, so that at most one group's activations are held at a time.
@@ -298,17 +355,22 @@ def gradcache_step(
             backpropagate_cache(groups[-1], kept_reps, rep_grads, backward)
             reps = kept_reps = None
     for g, group in enumerate(to_reencode):
-        with sync_context(g == len(to_reencode) - 1):
-            with rng_states[g].replay() if replay_rng else contextlib.nullcontext():
-                reps = encode(group)
-            backpropagate_cache(group, reps, rep_grads, backward)
-
-    return StepReport(
-        loss=loss,
-        num_chunks=sum(len(plan) for plan in plans),
-        num_reencoded=sum(len(group) for group in to_reencode),
-        rep_grad_norm=float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in rep_grads]))),
-    )
+        is_last = g == len(to_reencode) - 1
+        if is_last:  # agree before the backward that synchronizes, where a lone failure would hang the others
+            out_of_memory = any_process(out_of_memory, device)
+        if out_of_memory:
+            continue
+        try:
+            with sync_context(is_last):
+                with rng_states[g].replay() if replay_rng else contextlib.nullcontext():
+                    reps = encode(group)
+                backpropagate_cache(group, reps, rep_grads, backward)
+                reps = None
+        except torch.OutOfMemoryError:
+            out_of_memory = True
+    if out_of_memory:
+        raise out_of_memory_error(chunk_sizes)
+    return report
 
 
 def cache_representation_gradients(loss_fn, plans, chunk_reps, cross_process_negatives):

@@ -1,0 +1,112 @@
+"""gradcache_step's guards: a non-finite loss or gradient is never back-propagated, a chunk that runs out of
+memory raises ChunkOutOfMemory naming the chunk size to use, and in several processes every rank agrees."""
+
+import contextlib
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_gradcache import TOLERANCE, TinyEncoder, make_batch, max_relative_difference, unchunked_reference
+
+import gradcache
+
+TESTS = Path(__file__).parent
+
+
+class CountingSync:
+    """A sync_context that counts contexts left open (accelerate's sync flag must always be restored)."""
+
+    def __init__(self):
+        self.open = 0
+
+    @contextlib.contextmanager
+    def __call__(self, is_last):
+        self.open += 1
+        try:
+            yield
+        finally:
+            self.open -= 1
+
+
+def nan_loss(*reps):
+    return gradcache.contrastive_loss(*reps) * float("nan")
+
+
+def inf_gradient_loss(anchor, positive):
+    """Finite value, infinite gradient: d sqrt(x)/dx at x = 0."""
+    first = anchor[0, 0]
+    return gradcache.contrastive_loss(anchor, positive) + torch.sqrt(first - first.detach())
+
+
+@pytest.mark.parametrize("loss_fn", [nan_loss, inf_gradient_loss], ids=["nan-loss", "inf-gradient"])
+def test_non_finite_step_is_skipped_before_any_backward(loss_fn):
+    encoder = TinyEncoder(dropout=0.0)
+    backward_calls = []
+    sync = CountingSync()
+    report = gradcache.gradcache_step(
+        encoder, make_batch(0), loss_fn, 5, backward=backward_calls.append, sync_context=sync
+    )
+    assert report.skipped
+    assert backward_calls == [] and sync.open == 0
+    assert all(p.grad is None for p in encoder.parameters())
+
+
+class OutOfMemoryAbove(torch.nn.Module):
+    """Raises torch.OutOfMemoryError, as CUDA would, for chunks larger than `limit` in the given stages."""
+
+    def __init__(self, encoder, limit, grad_only=False):
+        super().__init__()
+        self.encoder, self.limit, self.grad_only = encoder, limit, grad_only
+
+    def forward(self, features):
+        too_big = len(features["input_ids"]) > self.limit
+        if too_big and (torch.is_grad_enabled() or not self.grad_only):
+            raise torch.OutOfMemoryError("CUDA out of memory (test double)")
+        return self.encoder(features)
+
+
+@pytest.mark.parametrize("grad_only", [False, True], ids=["stage-1", "stage-3"])
+def test_out_of_memory_names_the_chunk_size_to_use_and_a_smaller_chunk_is_exact(grad_only):
+    torch.manual_seed(0)
+    encoder = OutOfMemoryAbove(TinyEncoder(dropout=0.0), limit=3, grad_only=grad_only)
+    reference = copy.deepcopy(encoder.encoder)
+    sync = CountingSync()
+    columns = make_batch(1)
+    with pytest.raises(
+        gradcache.ChunkOutOfMemory, match="chunk of 8 examples ran out of memory.*chunk size of 4"
+    ):
+        gradcache.gradcache_step(encoder, columns, gradcache.contrastive_loss, 8, sync_context=sync)
+    assert sync.open == 0
+
+    for parameter in encoder.parameters():
+        parameter.grad = None  # what the trainer does before it redoes the step
+    gradcache.gradcache_step(encoder, columns, gradcache.contrastive_loss, 3, sync_context=sync)
+    unchunked_reference([reference] * 3, columns, gradcache.contrastive_loss)
+    assert max_relative_difference([encoder.encoder], [reference]) <= TOLERANCE
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("case", ["nan", "oom1", "oom3"])
+def test_every_process_takes_the_same_decision(case, tmp_path):
+    """Rank 1 alone sees a NaN loss or runs out of memory; both ranks must skip or raise, and neither hang."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    command = [*torchrun, f"--master_port={free_port()}", str(TESTS / "guard_worker.py"), case, str(tmp_path)]
+    environment = {**os.environ, "PYTHONPATH": f"{TESTS.parent}{os.pathsep}{TESTS}", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=180)
+    outcomes = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert result.returncode == 0, result.stderr[-3000:]
+    if case == "nan":
+        assert outcomes == [{"skipped": True, "has_grad": False}] * 2
+    else:
+        assert all("chunk of 4 examples ran out of memory" in outcome["error"] for outcome in outcomes)
