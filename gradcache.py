@@ -25,6 +25,12 @@ refinements cost nothing in exactness: the chunk encoded last in stage 1 keeps i
 back-propagated directly (N chunks cost N - 1 re-encodings), and examples are grouped into chunks by
 length so a chunk pays for its own longest text, not the batch's.
 
+Two guards keep a long run safe. A loss or representation gradient that is not finite is found after
+stage 2, before any backward: nothing is back-propagated and the report says `skipped`, so the trainer
+does not step. A chunk that runs out of memory raises `ChunkOutOfMemory`, naming a chunk size that fits.
+With several processes, every process takes the same decision (a one-number all-reduce), so no process is
+left waiting in a collective the others never reach.
+
 This file depends on torch alone. The training framework enters through two arguments of
 `gradcache_step`: `backward(surrogate)` (e.g. `accelerator.backward`, which applies the fp16 loss scale
 once and, under DeepSpeed, steps the optimizer) and `sync_context(is_last)` (which lets only the last
