@@ -294,8 +294,8 @@ def gradcache_step(
                   and negative controls (without RNG replay, dropout makes the gradients wrong).
     """
     columns = list(columns)
-    shared = not isinstance(encoders, Sequence)
-    encoders = [encoders] * len(columns) if shared else list(encoders)
+    encoders = list(encoders) if isinstance(encoders, Sequence) else [encoders] * len(columns)
+    shared = len({id(encoder) for encoder in encoders}) == 1
     chunk_sizes = list(chunk_size) if isinstance(chunk_size, Sequence) else [chunk_size] * len(columns)
     check_step_arguments(encoders, columns, chunk_sizes, allow_batch_mixing)
 

@@ -1,0 +1,240 @@
+"""gradcache_step is exact under every backend: plain torch, accelerate, DDP and DeepSpeed ZeRO-1/2/3.
+
+Each case trains 3 SGD steps with Gradient Cache (anchor, positive and hard-negative columns, chunks of 4
+in a per-process batch of 6) and is compared with plain torch on the global batch, in one process,
+unchunked: the losses, the first step's gradient and the weight updates after the third step
+(tests/backend_worker.py holds the model, the data, the reference and the worker). Cases of more than one
+process, and all DeepSpeed cases, run under torchrun on the CPU (gloo; DeepSpeed's CPU accelerator), one
+launch per backend and process count; the rest run in this process. A case named "-cross" contrasts
+with the examples of every process (cross-process negatives); "-accumulate2" runs two micro-batches per
+optimizer step in `accelerator.accumulate()`.
+
+    .venv/bin/python -m pytest -q tests/test_backends.py
+
+fp16 runs end to end only on a GPU: here the loss scale is checked with a CPU GradScaler, and
+bench/gpu_check.py runs accelerate's GradScaler and DeepSpeed's fp16 on CUDA.
+"""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from backend_worker import (
+    CHUNK_SIZE,
+    LEARNING_RATE,
+    METRICS,
+    NUM_COLUMNS,
+    NUM_STEPS,
+    PER_PROCESS_BATCH,
+    REPO,
+    TOLERANCE,
+    Case,
+    compare,
+    initial_weights,
+    launch,
+    load_results,
+    make_micro_batches,
+    make_model,
+    markdown_table,
+    max_relative_difference,
+    reference_run,
+    reset_accelerate_state,
+    run_case,
+    updates,
+)
+
+from gradcache import accelerate_sync_context, gradcache_step
+
+
+def deepspeed_cases():
+    for stage in (1, 2, 3):
+        for world_size in (1, 2):
+            for two_towers in (False, True):
+                encoder = "two-towers" if two_towers else "shared"
+                yield Case(f"zero{stage}-{world_size}proc-{encoder}", stage, world_size, two_towers)
+
+
+FP32_CASES = [
+    Case("torch", plain_torch=True),
+    Case("torch-two-towers", plain_torch=True, two_towers=True),
+    Case("accelerate"),
+    Case("accelerate-two-towers", two_towers=True),
+    Case("accelerate-accumulate2", accumulation_steps=2),
+    Case("accelerate-two-towers-accumulate2", two_towers=True, accumulation_steps=2),
+    Case("ddp-2proc", world_size=2),
+    Case("ddp-2proc-two-towers", world_size=2, two_towers=True),
+    Case("ddp-2proc-cross", world_size=2, cross_process_negatives=True),
+    Case("ddp-2proc-two-towers-cross", world_size=2, two_towers=True, cross_process_negatives=True),
+    Case("ddp-2proc-accumulate2", world_size=2, accumulation_steps=2),
+    *deepspeed_cases(),
+    Case("zero2-2proc-two-towers-cross", 2, 2, two_towers=True, cross_process_negatives=True),
+    Case("zero3-2proc-cross", 3, 2, cross_process_negatives=True),
+    Case("zero2-2proc-accumulate2", 2, 2, accumulation_steps=2),
+    Case("zero3-2proc-two-towers-accumulate2", 3, 2, two_towers=True, accumulation_steps=2),
+    Case("zero2-2proc-two-towers-offload-optimizer", 2, 2, two_towers=True, offload=("optimizer",)),
+    Case("zero3-2proc-two-towers-offload-all", 3, 2, two_towers=True, offload=("optimizer", "param")),
+]
+BF16_CASES = [
+    Case("accelerate-bf16-autocast", mixed_precision="bf16"),
+    Case("accelerate-two-towers-bf16-autocast", two_towers=True, mixed_precision="bf16"),
+    Case("zero2-1proc-bf16", 2, mixed_precision="bf16"),
+    Case("zero2-2proc-bf16", 2, 2, mixed_precision="bf16"),
+    Case("zero3-2proc-two-towers-bf16", 3, 2, two_towers=True, mixed_precision="bf16"),
+]
+# Negative control: accelerator.backward on every chunk with no sync context makes DeepSpeed step per chunk.
+WITHOUT_SYNC_CONTEXT = Case("zero2-2proc-without-sync-context", 2, 2, use_sync_context=False)
+ALL_CASES = [*FP32_CASES, *BF16_CASES, WITHOUT_SYNC_CONTEXT]
+DDP_CASES = [case for case in ALL_CASES if case.world_size > 1 and case.zero_stage is None]
+
+LAUNCH_ENVIRONMENT = {
+    "ddp": {"ACCELERATE_USE_CPU": "true"},  # accelerate's DDP on the CPU (gloo)
+    "deepspeed": {"DS_ACCELERATOR": "cpu"},
+}
+
+
+def launch_group(case):
+    if case.world_size == 1 and case.zero_stage is None:
+        return "in-process"
+    return f"{'ddp' if case.zero_stage is None else 'deepspeed'}-{case.world_size}proc"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """results_of(case) -> every rank's result; runs the case's whole launch group on first use.
+
+    A failed launch is remembered, so that its tests fail with its error instead of relaunching it.
+    """
+    done = {}
+
+    def results_of(case):
+        group = launch_group(case)
+        if group not in done:
+            cases = [c for c in ALL_CASES if launch_group(c) == group]
+            out_dir = tmp_path_factory.mktemp(group)
+            try:
+                if group == "in-process":
+                    for c in cases:
+                        run_case(c, out_dir)
+                    done[group] = load_results(cases, out_dir, world_size=1)
+                else:
+                    environment = LAUNCH_ENVIRONMENT[group.split("-")[0]]
+                    done[group] = launch(cases, out_dir, cases[0].world_size, environment)
+            except Exception as error:
+                done[group] = error
+        if isinstance(done[group], Exception):
+            raise done[group]
+        return done[group][case.name]
+
+    return results_of
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    reset_accelerate_state()
+    yield
+    reset_accelerate_state()
+
+
+@pytest.mark.parametrize("case", FP32_CASES, ids=lambda case: case.name)
+def test_fp32_matches_the_full_batch_reference(case, runs):
+    comparison = compare(case, runs(case))
+    for metric in METRICS:
+        assert comparison[metric] <= TOLERANCE["no"][metric], comparison
+    assert comparison["steps_once_per_batch"], [run["steps_after_micro_batch"] for run in runs(case)]
+
+
+@pytest.mark.parametrize("case", BF16_CASES, ids=lambda case: case.name)
+def test_bf16_stays_within_tolerance_of_the_fp32_reference(case, runs):
+    comparison = compare(case, runs(case))
+    for metric in METRICS:
+        assert comparison[metric] <= TOLERANCE["bf16"][metric], comparison
+    assert comparison["steps_once_per_batch"], [run["steps_after_micro_batch"] for run in runs(case)]
+    # fp32 lands within 1e-5: a difference this large shows that bf16 really computed the step.
+    assert comparison["gradient"] > 100 * TOLERANCE["no"]["gradient"], comparison
+
+
+@pytest.mark.parametrize("case", DDP_CASES, ids=lambda case: case.name)
+def test_ddp_all_reduces_once_per_step(case, runs):
+    """Counted by a DDP communication hook: one call per gradient bucket and all-reduce."""
+    for run in runs(case):
+        per_plain_step = run["allreduces_plain_step"]
+        assert run["allreduces_per_step"] == [per_plain_step] * NUM_STEPS
+        # The counter sees every all-reduce: without the sync context each backward pays one.
+        assert run["backward_calls_per_step"] > 1
+        assert run["allreduces_without_sync_context"] == per_plain_step * run["backward_calls_per_step"]
+
+
+def test_without_sync_context_deepspeed_steps_on_every_chunk(runs):
+    """The negative control of the DeepSpeed cases: their checks catch a backend stepping per chunk."""
+    backward_calls_per_batch = math.ceil(PER_PROCESS_BATCH / CHUNK_SIZE) * NUM_COLUMNS
+    comparison = compare(WITHOUT_SYNC_CONTEXT, runs(WITHOUT_SYNC_CONTEXT))
+    for run in runs(WITHOUT_SYNC_CONTEXT):
+        assert run["deepspeed_global_steps"] == NUM_STEPS * backward_calls_per_batch
+    assert not comparison["steps_once_per_batch"]
+    assert comparison["update"] > 1e-2, comparison
+
+
+def test_cross_process_negatives_change_the_gradients(runs):
+    """The two 2-process references differ, so each DDP case is checked against the right one."""
+    own_batch = Case("ddp-2proc", world_size=2)
+    global_batch = Case("ddp-2proc", world_size=2, cross_process_negatives=True)
+    assert compare(global_batch, runs(own_batch))["gradient"] > 1e-2
+
+
+def test_fp16_loss_scale_reaches_the_gradients_once(fresh_accelerate_state):
+    """accelerator.backward multiplies each chunk's surrogate by the loss scale; nothing else scales.
+
+    accelerate builds its GradScaler only for fp16 on an accelerator device (Accelerator.__init__; on the
+    CPU fp16 silently trains in fp32), so this installs torch's CPU GradScaler where accelerator.backward
+    and the prepared optimizer use it.
+    """
+    from accelerate import Accelerator
+
+    case = Case("fp16-grad-scaler")
+    reference = reference_run(case)
+    accelerator = Accelerator()
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    model = make_model(case)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LEARNING_RATE))
+    gradcache_step(
+        model,
+        make_micro_batches(case)[0],
+        chunk_size=CHUNK_SIZE,
+        backward=accelerator.backward,
+        sync_context=accelerate_sync_context(accelerator, model),
+    )
+    scale = accelerator.scaler.get_scale()
+    scaled = {name: p.grad / scale for name, p in model.named_parameters()}
+    assert max_relative_difference(scaled, reference["first_grads"]) <= TOLERANCE["no"]["gradient"]
+
+    # What accelerator.unscale_gradients() does on an accelerator device (there a no-op on the CPU).
+    accelerator.scaler.unscale_(optimizer.optimizer)
+    unscaled = {name: p.grad.clone() for name, p in model.named_parameters()}
+    assert max_relative_difference(unscaled, reference["first_grads"]) <= TOLERANCE["no"]["gradient"]
+
+    optimizer.step()
+    assert not accelerator.optimizer_step_was_skipped
+    start = initial_weights(case)
+    weights = {name: p.detach() for name, p in model.named_parameters()}
+    expected = {name: -LEARNING_RATE * grad for name, grad in reference["first_grads"].items()}
+    assert max_relative_difference(updates(weights, start), expected) <= TOLERANCE["no"]["update"]
+
+
+def test_markdown_table_marks_failures(runs):
+    """The verdict bench/gpu_check.py prints, on CPU results: a matching case passes, the control fails."""
+    passing, failing = Case("accelerate"), WITHOUT_SYNC_CONTEXT
+    table = markdown_table([(case, compare(case, runs(case))) for case in (passing, failing)])
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
+    assert rows[passing.name].rstrip(" |").endswith("pass")
+    assert rows[failing.name].rstrip(" |").endswith("FAIL")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the script runs the whole GPU check")
+def test_gpu_check_says_it_needs_cuda():
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_check.py")], capture_output=True, text=True, timeout=120
+    )
+    assert completed.returncode != 0
+    assert "needs CUDA" in completed.stderr
