@@ -358,7 +358,10 @@ def gradcache_step(
         # stage 1, so that at most one group's activations are held at a time.
         to_reencode = groups[:-1] if kept_reps is not None else groups
         if kept_reps is not None:
-            backpropagate_cache(groups[-1], kept_reps, rep_grads, backward)
+            try:
+                backpropagate_cache(groups[-1], kept_reps, rep_grads, backward)
+            except torch.OutOfMemoryError:
+                out_of_memory = True
             reps = kept_reps = None
     for g, group in enumerate(to_reencode):
         is_last = g == len(to_reencode) - 1

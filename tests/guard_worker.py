@@ -5,6 +5,7 @@ Usage: torchrun --nproc_per_node 2 tests/guard_worker.py CASE OUT_DIR
 
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -57,6 +58,7 @@ def main(case, out_dir):
     dist.barrier()  # a rank that took another decision would leave the others waiting here or earlier
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
     dist.destroy_process_group()
+    os._exit(0)  # gloo workers now and then abort in interpreter teardown, after their work is done
 
 
 if __name__ == "__main__":

@@ -91,6 +91,25 @@ def test_out_of_memory_names_the_chunk_size_to_use_and_a_smaller_chunk_is_exact(
     assert max_relative_difference([encoder.encoder], [reference]) <= TOLERANCE
 
 
+def test_out_of_memory_in_the_kept_chunk_backward_is_reported(monkeypatch):
+    backpropagate = gradcache.backpropagate_cache
+
+    def failing_first_backward(group, reps, rep_grads, backward):
+        if not failing_first_backward.called:
+            failing_first_backward.called = True
+            raise torch.OutOfMemoryError("CUDA out of memory (test double)")
+        backpropagate(group, reps, rep_grads, backward)
+
+    failing_first_backward.called = False
+    monkeypatch.setattr(gradcache, "backpropagate_cache", failing_first_backward)
+    sync = CountingSync()
+    with pytest.raises(gradcache.ChunkOutOfMemory, match="chunk of 5 examples"):
+        gradcache.gradcache_step(
+            TinyEncoder(dropout=0.0), make_batch(0), gradcache.contrastive_loss, 5, sync_context=sync
+        )
+    assert sync.open == 0
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
