@@ -1,0 +1,442 @@
+"""train.py, launched for real with `accelerate launch` on a tiny BERT built here and a tiny data file.
+
+The launches share module-scoped fixtures: one uninterrupted run per process count is the reference that
+the resumed, unchunked and DeepSpeed runs must reproduce. The validation helpers are also called
+in-process, where a launch would add nothing but start-up time.
+"""
+
+import gzip
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import train  # noqa: E402  (after the offline switches)
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "accelerate_configs"
+WORDS = [f"w{i}" for i in range(60)]
+ROWS = 48  # 6 batches of 8: 6 steps on one process, 3 on each of two
+TOLERANCE = 1e-5  # weights move ~1e-3 per step at lr 1e-3; chunking and ZeRO only reorder float sums
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tiny model, tiny data, one launcher
+# ---------------------------------------------------------------------------------------------------------
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Train and dev JSONL with distinct texts: words shared across rows, plus one unique token per text."""
+    rng = random.Random(0)
+    rows = [
+        {
+            "anchor": " ".join(rng.sample(WORDS, 5)) + f" a{i}",
+            "positive": " ".join(rng.sample(WORDS, 2)) + f" p{i}",
+            "negative": " ".join(rng.sample(WORDS, 2)) + f" n{i}",
+        }
+        for i in range(ROWS + 8)
+    ]
+    folder = tmp_path_factory.mktemp("data")
+    return write_rows(folder / "train.jsonl", rows[:ROWS]), write_rows(folder / "dev.jsonl", rows[ROWS:])
+
+
+def build_tiny_model(folder, dropout):
+    """A 2-layer BERT with hidden size 32 and a WordPiece vocabulary of the data's tokens, mean pooled."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+    vocab += [f"{kind}{i}" for kind in "apn" for i in range(ROWS + 8)]
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    config = BertConfig(
+        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=32,
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    BertModel(config).save_pretrained(folder / "bert")
+    BertTokenizerFast(str(folder / "vocab.txt")).save_pretrained(folder / "bert")
+    transformer = Transformer(str(folder / "bert"))
+    model = SentenceTransformer(modules=[transformer, Pooling(transformer.get_embedding_dimension())])
+    model.save(str(folder / "model"))
+    return folder / "model"
+
+
+@pytest.fixture(scope="module")
+def model_with_dropout(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("dropout"), dropout=0.1)
+
+
+@pytest.fixture(scope="module")
+def model_without_dropout(tmp_path_factory):
+    """Chunking draws dropout masks per chunk, so chunked and unchunked runs can only agree without it."""
+    return build_tiny_model(tmp_path_factory.mktemp("no_dropout"), dropout=0.0)
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(config, output_dir, *args, processes=1, env=None, check=True):
+    """`accelerate launch --config_file <config> train.py ...`; returns the finished process."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    command += ["--num_processes", str(processes), "--main_process_port", str(free_port())]
+    command += [str(REPO / "train.py"), "--output_dir", str(output_dir), *map(str, args)]
+    environment = os.environ | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(max(1, 2 // processes))}
+    done = subprocess.run(
+        command, cwd=REPO, env=environment | (env or {}), capture_output=True, text=True, timeout=600
+    )
+    if check:
+        assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return done
+
+
+def weights(model_dir):
+    """A saved model's parameters, loaded the way a user loads it."""
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(model_dir), device="cpu").state_dict()
+
+
+def max_difference(a, b):
+    assert sorted(a) == sorted(b)
+    return max((a[name].float() - b[name].float()).abs().max().item() for name in a)
+
+
+def logged_scalars(run_dir):
+    """{tag: [(step, value)]} from the TensorBoard events that accelerate's tracker wrote."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard" / "gradcache"))  # <logging_dir>/<project>
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+# Every backend run: 3 steps of 8 examples in chunks of 3 (not a divisor), no dropout, no wandb. Clipping at
+# CLIP leaves some steps unclipped, so DeepSpeed (clipping by its own config, default 1.0) must follow the
+# flag to match: a uniform clip would not show, AdamW being blind to a constant gradient scale.
+CLIP = 8.0
+BACKEND_ARGS = ("--batch_size", 8, "--chunk_size", 3, "--max_steps", 3, "--lr", 1e-3, "--max_grad_norm", CLIP)
+BACKEND_ARGS += ("--wandb_mode", "disabled")
+
+
+@pytest.fixture(scope="module")
+def reference_runs(tmp_path_factory, data, model_without_dropout):
+    """Uninterrupted plain runs, one process on cpu.yaml and two DDP processes on cpu_ddp_2proc.yaml."""
+    folder = tmp_path_factory.mktemp("reference")
+    common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS)
+    launch(CONFIGS / "cpu.yaml", folder / "one", *common)
+    two = {"ACCELERATE_USE_CPU": "true"}  # see the comment in cpu_ddp_2proc.yaml
+    launch(CONFIGS / "cpu_ddp_2proc.yaml", folder / "two", *common, processes=2, env=two)
+    return {1: folder / "one", 2: folder / "two"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# End to end: logging, checkpoints, final model, exact resume
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_end_to_end_run_logs_saves_and_resumes_exactly(tmp_path, data, model_with_dropout):
+    # 24 examples are 3 batches an epoch: the checkpoint at step 4 sits one batch into the second epoch.
+    common = (
+        "--model", model_with_dropout, "--data", data[0], "--dev_data", data[1], "--max_train_examples", 24,
+        "--batch_size", 8, "--chunk_size", 3, "--max_steps", 6, "--save_steps", 4, "--eval_steps", 3,
+        "--lr", 1e-3,
+    )  # fmt: skip
+    straight = launch(CONFIGS / "cpu.yaml", tmp_path / "straight", *common)
+
+    assert straight.stdout.count("effective_batch_size: 8") == 1  # printed once, at the start
+    logged = logged_scalars(tmp_path / "straight")
+    assert [step for step, _ in logged["train/loss"]] == [1, 2, 3, 4, 5, 6]
+    assert {value for _, value in logged["train/global_step"]} == {0, 1, 2, 3, 4, 5, 6}
+    assert [step for step, _ in logged["eval/dev_cosine_mrr@10"]] == [0, 3, 6]
+    for tag in ("eval/dev_cosine_ndcg@10", "eval/dev_cosine_recall@10", "train/learning_rate"):
+        assert tag in logged
+    assert {value for _, value in logged["train/effective_batch_size"]} == {8}
+    assert {value for _, value in logged["train/chunk_size"]} == {3}
+    for tag in ("train/loss", "train/grad_norm", "train/examples_per_second", "memory/rss_gib"):
+        assert all(value > 0 and value < float("inf") for _, value in logged[tag]), tag
+    assert max(value for _, value in logged["train/learning_rate"]) == pytest.approx(1e-3)
+    (wandb_run,) = (tmp_path / "straight" / "wandb").glob("offline-run-*/run-*.wandb")
+    wandb_records = wandb_run.read_bytes()  # protobuf records: metric names are stored as plain text
+    assert b"train/loss" in wandb_records and b"eval/dev_cosine_mrr@10" in wandb_records
+
+    checkpoints = tmp_path / "straight" / "checkpoints"
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["step_4", "step_6"]  # no .partial left
+    state = json.loads((checkpoints / "step_4" / "trainer_state.json").read_text())
+    assert (state["global_step"], state["epoch"], state["batches_done"]) == (4, 1, 1)
+    final = weights(tmp_path / "straight" / "final")
+    assert max_difference(final, load_file(checkpoints / "step_6" / "model.safetensors")) == 0
+    assert max_difference(final, load_file(checkpoints / "step_4" / "model.safetensors")) > 1e-4
+
+    resumed = launch(
+        CONFIGS / "cpu.yaml", tmp_path / "resumed", *common, "--wandb_mode", "disabled",
+        "--resume_from_checkpoint", checkpoints / "step_4",
+    )  # fmt: skip
+    assert "resumed from" in resumed.stdout
+    assert [step for step, _ in logged_scalars(tmp_path / "resumed")["train/loss"]] == [5, 6]
+    resumed_final = weights(tmp_path / "resumed" / "final")
+    assert all(torch.equal(final[name], resumed_final[name]) for name in final)
+
+
+def test_chunked_and_unchunked_runs_reach_the_same_weights(
+    tmp_path, data, model_without_dropout, reference_runs
+):
+    common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS)
+    launch(CONFIGS / "cpu.yaml", tmp_path / "unchunked", *common, "--chunk_size", 8)  # the last flag wins
+    chunked, unchunked = weights(reference_runs[1] / "final"), weights(tmp_path / "unchunked" / "final")
+    initial = weights(model_without_dropout)
+    difference = max_difference(chunked, unchunked)
+    print(f"chunk 3 vs chunk 8 after 3 steps: max weight difference {difference:.2e}")
+    assert difference < TOLERANCE
+    assert max_difference(chunked, initial) > 100 * TOLERANCE  # the weights did move
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Backends: DeepSpeed on its CPU accelerator must reproduce the plain runs
+# ---------------------------------------------------------------------------------------------------------
+
+
+def engine_weights(checkpoint):
+    """The fp32 weights DeepSpeed's engine held, rebuilt from its (sharded) checkpoint by DeepSpeed itself."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="pytorch_model")
+
+
+def launch_deepspeed(config, output_dir, *args, processes):
+    """About 2 in 35 two-process ZeRO-3 runs abort at interpreter exit after finishing: retry once."""
+    for attempt in (1, 2):
+        done = launch(config, output_dir, *args, processes=processes, check=attempt == 2)
+        if done.returncode == 0:
+            return done
+
+
+@pytest.mark.parametrize(
+    "config, processes",
+    [
+        ("deepspeed_zero1.yaml", 1),
+        ("deepspeed_zero1.yaml", 2),  # ZeRO-1 refuses engine.step() inside no_sync: one sync per step
+        ("deepspeed_zero2.yaml", 2),
+        ("deepspeed_zero3.yaml", 2),
+        ("deepspeed_zero2_offload_optimizer.yaml", 1),
+        ("deepspeed_zero3_offload_params.yaml", 2),
+    ],
+)
+def test_deepspeed_reproduces_the_plain_run(
+    tmp_path, data, model_without_dropout, reference_runs, config, processes
+):
+    common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS)
+    done = launch_deepspeed(CONFIGS / config, tmp_path, *common, processes=processes)
+    assert "DistributedType.DEEPSPEED" in done.stdout and f"processes: {processes}" in done.stdout
+    saved = weights(tmp_path / "final")
+    difference = max_difference(saved, weights(reference_runs[processes] / "final"))
+    print(f"{config} x {processes}: max weight difference to the plain run {difference:.2e}")
+    assert difference < TOLERANCE
+    assert max_difference(saved, engine_weights(tmp_path / "checkpoints" / "step_3")) == 0
+    logged, reference = logged_scalars(tmp_path), logged_scalars(reference_runs[processes])
+    assert min(value for _, value in reference["train/grad_norm"]) < CLIP  # else the clip test is void
+    for tag in ("train/loss", "train/grad_norm"):  # the norm comes from DeepSpeed's engine here
+        assert [value for _, value in logged[tag]] == pytest.approx(
+            [value for _, value in reference[tag]], rel=1e-4
+        )
+
+
+def test_zero3_saves_partitioned_weights_whole(tmp_path, data, model_without_dropout, reference_runs):
+    """The shipped ZeRO-3 config keeps a tiny model's parameters whole (below DeepSpeed's persistence
+    threshold); with the threshold at 0 every parameter is split over the two processes."""
+    deepspeed_config = json.loads((CONFIGS / "deepspeed" / "zero3.json").read_text())
+    deepspeed_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    (tmp_path / "zero3.json").write_text(json.dumps(deepspeed_config))
+    shipped = (CONFIGS / "deepspeed_zero3.yaml").read_text()
+    config = tmp_path / "zero3.yaml"
+    config.write_text(
+        shipped.replace("accelerate_configs/deepspeed/zero3.json", str(tmp_path / "zero3.json"))
+    )
+    common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS)
+    launch_deepspeed(config, tmp_path / "run", *common, processes=2)
+
+    shards = sorted((tmp_path / "run" / "checkpoints" / "step_3" / "pytorch_model").glob("*optim_states.pt"))
+    assert len(shards) == 2
+    saved = weights(tmp_path / "run" / "final")
+    assert max_difference(saved, engine_weights(tmp_path / "run" / "checkpoints" / "step_3")) == 0
+    assert max_difference(saved, weights(reference_runs[2] / "final")) < TOLERANCE
+
+
+def test_bf16_run_trains(tmp_path, data, model_without_dropout):
+    common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS)
+    done = launch(CONFIGS / "bf16.yaml", tmp_path, *common)
+    assert "mixed_precision: bf16" in done.stdout
+    saved, initial = weights(tmp_path / "final"), weights(model_without_dropout)
+    assert all(torch.isfinite(value).all() for value in saved.values())
+    assert max_difference(saved, initial) > 100 * TOLERANCE
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Clear errors before training starts
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_bad_data_file_stops_the_launch_before_training(tmp_path, data, model_without_dropout):
+    lines = data[0].read_text().splitlines()
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("\n".join([*lines[:4], lines[4][:-1], *lines[5:]]) + "\n")  # line 5 loses its brace
+    done = launch(
+        CONFIGS / "cpu.yaml",
+        tmp_path / "run",
+        "--model",
+        model_without_dropout,
+        "--data",
+        broken,
+        "--wandb_mode",
+        "disabled",
+        check=False,
+    )
+    assert done.returncode != 0
+    assert f"{broken}, line 5 is not valid JSON" in done.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def fails_with(capsys, call, *fragments):
+    with pytest.raises(SystemExit) as stopped:
+        call()
+    message = str(stopped.value.code) + capsys.readouterr().err
+    for fragment in fragments:
+        assert fragment in message
+    return message
+
+
+def test_argument_errors_say_what_to_do(capsys):
+    fails_with(
+        capsys,
+        lambda: train.parse_args(["--batch_size", "8", "--chunk_size", "16"]),
+        "--chunk_size 16 is larger than --batch_size 8",
+        "Lower --chunk_size",
+    )
+    fails_with(capsys, lambda: train.parse_args(["--columns", "query=q"]), "--columns: cannot read 'query=q'")
+    assert train.parse_args(["--batch_size", "8", "--chunk_size", "8"]).chunk_size == 8
+
+
+@pytest.mark.parametrize(
+    "line, fragments",
+    [
+        ('{"anchor": "a", "positive": "b", "negative": "c"', ["line 2 is not valid JSON"]),
+        ('{"anchor": "a", "answer": "b", "negative": "c"}', ["line 2", "no field 'positive'", "--columns"]),
+        ('{"anchor": "a", "positive": "  ", "negative": "c"}', ["line 2: field 'positive' is empty"]),
+        (
+            '{"anchor": "a", "positive": 7, "negative": "c"}',
+            ["line 2: field 'positive' is int 7, not a text"],
+        ),
+        ('["a", "b", "c"]', ["line 2 is a JSON list"]),
+    ],
+)
+def test_json_lines_errors_name_the_line(tmp_path, capsys, line, fragments):
+    path = tmp_path / "data.jsonl.gz"
+    with gzip.open(path, "wt") as file:  # gzipped, as the bundled data
+        file.write('{"anchor": "x", "positive": "y", "negative": "z"}\n' + line + "\n")
+    fails_with(capsys, lambda: train.load_pairs(str(path), train.parse_columns("")), str(path), *fragments)
+
+
+def test_csv_and_parquet_load_with_a_column_mapping(tmp_path, capsys):
+    import pandas
+
+    table = pandas.DataFrame(
+        {"question": ["q1", "q2"], "answer": ["1990", "a2"], "n1": ["x", "y"], "n2": ["u", "v"]}
+    )
+    mapping = train.parse_columns("anchor=question,positive=answer,negatives=n1+n2")
+    table.to_csv(tmp_path / "pairs.csv", index=False)
+    table.to_parquet(tmp_path / "pairs.parquet")
+    for name in ("pairs.csv", "pairs.parquet"):
+        loaded = train.load_pairs(str(tmp_path / name), mapping)
+        assert loaded.column_names == ["anchor", "positive", "negative_1", "negative_2"]
+        assert loaded[0] == {"anchor": "q1", "positive": "1990", "negative_1": "x", "negative_2": "u"}
+
+    fails_with(
+        capsys,
+        lambda: train.load_pairs(str(tmp_path / "pairs.csv"), train.parse_columns("")),
+        "no field 'anchor' (anchor), 'positive' (positive)",
+        "'answer'",
+        "--columns",
+    )
+    table.loc[1, "n2"] = None
+    table.to_csv(tmp_path / "gap.csv", index=False)
+    fails_with(
+        capsys, lambda: train.load_pairs(str(tmp_path / "gap.csv"), mapping), "record 2: field 'n2' is empty"
+    )
+    fails_with(capsys, lambda: train.load_pairs(str(tmp_path / "missing.csv"), mapping), "does not exist")
+
+
+def test_model_and_checkpoint_errors(tmp_path, capsys):
+    fails_with(
+        capsys, lambda: train.load_model(str(tmp_path / "nowhere"), "cpu"), "no such directory", "--model"
+    )
+    fails_with(
+        capsys,
+        lambda: train.find_checkpoint(str(tmp_path), tmp_path),
+        "not a complete checkpoint",
+        "'latest'",
+    )
+    for name in ("step_2", "step_10", "step_12.partial"):
+        (tmp_path / name).mkdir()
+    assert train.find_checkpoint("latest", tmp_path) == tmp_path / "step_10"
+    assert train.find_checkpoint("latest", tmp_path / "empty") is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Batches and evaluation set
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_batches_hold_no_duplicate_texts_and_follow_seed_and_epoch():
+    import datasets
+
+    rng = random.Random(1)  # positives and negatives drawn from one small pool: random batches would repeat
+    documents = [rng.sample(range(30), 2) for _ in range(64)]
+    rows = {
+        "anchor": [f"q{rng.randrange(40)}" for _ in range(64)],
+        "positive": [f"d{positive}" for positive, _ in documents],
+        "negative_1": [f"d{negative}" for _, negative in documents],
+    }
+    dataset = datasets.Dataset.from_dict(rows)
+
+    def epoch_batches(seed, epoch):
+        order = train.NoDuplicatesOrder(dataset, 4, seed)
+        order.set_epoch(epoch)
+        indices = list(order)
+        assert len(indices) == len(order)
+        return [indices[start : start + 4] for start in range(0, len(indices), 4)]
+
+    for batch in epoch_batches(0, 0) + epoch_batches(0, 1):
+        texts = [dataset[i][column] for i in batch for column in rows]
+        assert len(texts) == len(set(texts))
+    assert epoch_batches(0, 1) == epoch_batches(0, 1)
+    assert epoch_batches(0, 1) != epoch_batches(0, 0) != epoch_batches(1, 0)
+
+
+def test_evaluator_retrieves_each_query_positive_among_distinct_positives():
+    import datasets
+
+    dev = datasets.Dataset.from_dict({"anchor": ["q0", "q1", "q2"], "positive": ["p", "p", "r"]})
+    evaluator = train.build_evaluator(dev, num_queries=2)
+    assert evaluator.queries == ["q0", "q1"]
+    assert sorted(evaluator.corpus) == ["p", "r"]
+    assert evaluator.relevant_docs == {"q0": {"d0"}, "q1": {"d0"}}
