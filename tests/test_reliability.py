@@ -68,12 +68,6 @@ def test_killed_at_a_checkpoint_the_run_resumes_bit_for_bit(
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_4", "step_6"]
 
 
-def test_save_total_limit_keeps_the_newest(tmp_path, data, model_without_dropout):
-    args = ("--model", model_without_dropout, "--data", data[0], "--max_steps", 6, "--save_steps", 1)
-    launch_with_faults(tmp_path, *args, "--save_total_limit", 2)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_5", "step_6"]
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Bad data: every malformed record is named with its line, or skipped and counted
 # ---------------------------------------------------------------------------------------------------------
@@ -145,32 +139,33 @@ def test_a_file_of_only_bad_records_stops_even_when_skipping(tmp_path):
 
 
 @pytest.mark.parametrize("processes", [1, 2])
-@pytest.mark.parametrize("fault", ["GRADCACHE_FAULT_NAN", "GRADCACHE_FAULT_INF"])
-def test_a_non_finite_step_never_reaches_the_weights(fault, processes, tmp_path, data, model_without_dropout):
-    """Step 2 of 2 is poisoned (on rank 1 only with two processes): the final weights are those of step 1."""
-    faults = {fault: "2", "GRADCACHE_FAULT_RANK": "1"} if processes == 2 else {fault: "2"}
-    args = ("--model", model_without_dropout, "--data", data[0], "--max_steps", 2, "--save_steps", 1)
+def test_a_non_finite_step_never_reaches_the_weights(processes, tmp_path, data, model_without_dropout):
+    """A NaN loss at step 2 and infinite gradients at step 3 (on rank 1 only with two processes): the final
+    weights are those of step 1, on every process."""
+    faults = {"GRADCACHE_FAULT_NAN": "2", "GRADCACHE_FAULT_INF": "3"}
+    faults |= {"GRADCACHE_FAULT_RANK": "1"} if processes == 2 else {}
+    args = ("--model", model_without_dropout, "--data", data[0], "--max_steps", 3, "--save_steps", 1)
     done = launch_with_faults(tmp_path, *args, faults=faults, processes=processes)
     final, step_1 = weights(tmp_path / "final"), checkpoint_weights(tmp_path / "checkpoints" / "step_1")
-    assert all(torch.equal(final[name], step_1[name.removeprefix("0.auto_model.")]) for name in final) or all(
-        torch.equal(final[name], step_1[name]) for name in step_1
-    )
+    assert all(torch.equal(final[name], step_1[name]) for name in step_1)
     assert all(torch.isfinite(value).all() for value in final.values())
-    assert dict(logged_scalars(tmp_path)["train/nonfinite_steps"])[2] == 1
-    assert "step 2: loss or gradient not finite, update skipped" in done.stdout + done.stderr
+    assert dict(logged_scalars(tmp_path)["train/nonfinite_steps"]) == {1: 0, 2: 1, 3: 2}
+    for step in (2, 3):
+        assert f"step {step}: loss or gradient not finite, update skipped" in done.stdout + done.stderr
 
 
 def test_steps_non_finite_in_a_row_stop_the_run_naming_the_last_checkpoint(
     tmp_path, data, model_without_dropout
 ):
+    """Also: --save_total_limit 2 keeps the two newest checkpoints."""
     args = ("--model", model_without_dropout, "--data", data[0], "--max_steps", 6, "--save_steps", 1)
-    done = launch_with_faults(
-        tmp_path, *args, "--max_bad_steps", 3, faults={"GRADCACHE_FAULT_NAN": "2,3,4"}, check=False
-    )
+    args += ("--save_total_limit", 2, "--max_bad_steps", 3)
+    done = launch_with_faults(tmp_path, *args, faults={"GRADCACHE_FAULT_NAN": "2,3,4"}, check=False)
     assert done.returncode != 0
     assert "3 steps in a row (through step 4)" in done.stderr
     assert f"The last checkpoint is {tmp_path / 'checkpoints' / 'step_3'}" in done.stderr
     assert not (tmp_path / "final").exists()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_3"]
 
 
 @pytest.mark.parametrize("processes", [1, 2])
@@ -179,10 +174,11 @@ def test_out_of_memory_halves_the_chunk_and_keeps_the_gradients(
 ):
     args = ("--model", model_without_dropout, "--data", data[0], "--max_steps", 2, "--chunk_size", 4)
     faults = {"GRADCACHE_FAULT_OOM_ABOVE": "2"} | ({"GRADCACHE_FAULT_RANK": "1"} if processes == 2 else {})
-    stopped = launch_with_faults(tmp_path / "stop", *args, faults=faults, processes=processes, check=False)
-    assert stopped.returncode != 0
-    assert "ran out of memory" in stopped.stderr and "chunk size of 2 or less" in stopped.stderr
-    assert "--auto_chunk_size" in stopped.stderr
+    if processes == 1:
+        stopped = launch_with_faults(tmp_path / "stop", *args, faults=faults, check=False)
+        assert stopped.returncode != 0
+        assert "ran out of memory" in stopped.stderr and "chunk size of 2 or less" in stopped.stderr
+        assert "--auto_chunk_size" in stopped.stderr
 
     launch_with_faults(tmp_path / "auto", *args, "--auto_chunk_size", faults=faults, processes=processes)
     launch_with_faults(tmp_path / "small", *args[:-2], "--chunk_size", 2, processes=processes)
