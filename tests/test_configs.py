@@ -44,7 +44,8 @@ checksum = sum(p.float().sum().item() for p in model.parameters())
 print(
     f"RESULT rank={accelerator.process_index} num_processes={accelerator.num_processes}"
     f" type={accelerator.distributed_type.value} precision={accelerator.mixed_precision}"
-    f" dtype={next(model.parameters()).dtype} checksum={checksum:.6f}",
+    f" dtype={next(model.parameters()).dtype} checksum={checksum:.6f}\\n",
+    end="",  # one write per line: two ranks printing at once must not glue their lines together
     flush=True,
 )
 """
@@ -103,7 +104,7 @@ def start(config: str, args: list[str], env: dict[str, str], probe: Path) -> sub
 def check_ranks(output: str, expected: str, num_processes: int) -> None:
     # Judged on what the ranks printed, not on the exit code: DeepSpeed on CPU sometimes aborts
     # at interpreter exit after the work is done.
-    results = re.findall(r"^RESULT rank=(\d+) (.*) checksum=(\S+)$", output, re.M)
+    results = re.findall(r"RESULT rank=(\d+) (.*?) checksum=(-?\d+\.\d{6})", output)
     assert sorted(int(rank) for rank, _, _ in results) == list(range(num_processes)), output[-3000:]
     assert {fields for _, fields, _ in results} == {expected}
     assert len({checksum for _, _, checksum in results}) == 1, "ranks disagree: gradients were not synced"
