@@ -298,8 +298,11 @@ def random_texts(words, count, seed):
     ]
 
 
-@pytest.mark.parametrize("dropout", [False, True], ids=["eval", "train-dropout"])
-@pytest.mark.parametrize("which", ["tiny-bert", "all-MiniLM-L6-v2"])
+@pytest.mark.parametrize(
+    "which, dropout",
+    [("tiny-bert", False), ("tiny-bert", True), ("all-MiniLM-L6-v2", True)],
+    ids=["tiny-bert-eval", "tiny-bert-train-dropout", "all-MiniLM-L6-v2-train-dropout"],
+)
 def test_sentence_transformers_models_exact(which, dropout, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     if which == "tiny-bert":
