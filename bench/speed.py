@@ -1,0 +1,408 @@
+"""Benchmark 2: what a step of this project costs against plain training and sentence-transformers' cache.
+
+In one process, the variants take turns on the same batches (A, B, C, A, B, C, ..., the order rotated
+every round); warm-up rounds are left out; each variant's time is the median over the measured rounds,
+and each ratio the median of the per-round ratios, so a load change on the machine hits both sides of a
+ratio alike. A step is the gradient of the batch plus the AdamW step; tokenization is left out (it is the
+same for every variant). Variants: plain full batch (where it fits), sentence-transformers'
+CachedMultipleNegativesRankingLoss, and gradcache_step with length-sorted chunks and last-chunk reuse each
+switched on and off (up to --ablation_max_batch). Model forward hooks split each step into encoding
+without and with gradient, the optimizer and the rest (backward, loss); for ours also stage 2 (the loss
+and its gradient) and chunk selection.
+
+Before timing, a sanity check: plain, ours and ST with dropout off give the same loss and gradients.
+
+    python bench/speed.py                               # CPU: batches 64, 256, 1024; about 30 min
+    python bench/speed.py --device cuda --preset gpu    # one GPU: batches 1024 and 4096, a few minutes
+    python bench/speed.py --preset smoke                # tiny batches, seconds: the test suite runs this
+
+Writes bench/results/speed_<preset>.{json,md,png}.
+"""
+
+import argparse
+import json
+import math
+import shlex
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import harness
+import matplotlib
+import torch
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+# After harness, which puts the repository root (gradcache.py) on the path.
+import gradcache  # noqa: E402
+
+PRESETS = {
+    # CPU: plain needs about 8 GiB for one step at batch 256 (bench/memory.py), 30 at 1024; the switches
+    # of ours (sorting, reuse) are compared up to batch 256, to keep the run near half an hour.
+    "cpu": {"batch_sizes": [64, 256, 1024], "plain_max_batch": 256, "ablation_max_batch": 256},
+    "gpu": {"batch_sizes": [1024, 4096], "plain_max_batch": 4096, "ablation_max_batch": 4096},
+    "smoke": {
+        "batch_sizes": [8],
+        "plain_max_batch": 8,
+        "ablation_max_batch": 8,
+        "chunk_size": 4,
+        "rounds": 1,
+    },
+}
+DEFAULTS = {"chunk_size": 32, "rounds": 5, "warmup": 1}
+# Parts of a step timed apart; "backward and the rest" is the step minus the others.
+PARTS = (
+    "forward no grad",
+    "forward with grad",
+    "stage 2: loss and its gradient",
+    "selecting chunks",
+    "optimizer (AdamW)",
+    "backward and the rest",
+)
+# name -> (method, gradcache_step flags)
+VARIANTS = {
+    "plain": ("plain", {}),
+    "ST cached": ("st", {}),
+    "ours": ("ours", {}),
+    "ours, unsorted": ("ours", {"sort_by_length": False}),
+    "ours, no reuse": ("ours", {"reuse_last_chunk": False}),
+    "ours, unsorted, no reuse": ("ours", {"sort_by_length": False, "reuse_last_chunk": False}),
+}
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+parser.add_argument("--preset", choices=PRESETS, default=None, help="default: gpu on cuda, cpu otherwise")
+parser.add_argument("--batch_sizes", type=int, nargs="+", help="override the preset's batch sizes")
+parser.add_argument("--plain_max_batch", type=int, help="largest batch plain training is run at")
+parser.add_argument("--ablation_max_batch", type=int, help="largest batch ours' switches are compared at")
+parser.add_argument("--chunk_size", type=int, help="override the preset's chunk size")
+parser.add_argument("--rounds", type=int, help="measured rounds (steps per variant)")
+parser.add_argument("--warmup", type=int, help="rounds run first and left out")
+parser.add_argument("--out_dir", default=str(harness.RESULTS_DIR), help="where the results go")
+parser.add_argument("--render_only", action="store_true", help="redo table and plot from the saved json")
+
+
+class StepClock:
+    """Seconds per step, and per part of a step while profiling: forward hooks on the model and wrappers
+    around gradcache_step's callables. Profiling synchronizes a GPU at every part, so on CUDA the timed
+    rounds run without it and one more round per variant profiles; on CPU the timed rounds profile."""
+
+    def __init__(self, model, device):
+        self.device = device
+        self.profiling = False
+        self.parts = {}
+        self.forward_started = None
+        self.loss_started = None
+        model.register_forward_pre_hook(self.on_forward_start)
+        model.register_forward_hook(self.on_forward_end)
+
+    def now(self):
+        harness.synchronize(self.device)
+        return time.perf_counter()
+
+    def add(self, part, seconds):
+        self.parts[part] = self.parts.get(part, 0.0) + seconds
+
+    def on_forward_start(self, module, args):
+        if self.profiling:
+            self.forward_started = self.now()
+
+    def on_forward_end(self, module, args, output):
+        if self.profiling:
+            part = "forward with grad" if torch.is_grad_enabled() else "forward no grad"
+            self.add(part, self.now() - self.forward_started)
+
+    def wrap_ours(self, flags):
+        """gradcache_step keyword arguments that time stage 2 and chunk selection while profiling."""
+        loss_fn = partial(gradcache.contrastive_loss, scale=harness.SCALE)
+
+        def timed_loss(*reps):
+            if self.profiling:
+                self.loss_started = self.now()
+            return loss_fn(*reps)
+
+        def timed_backward(surrogate):
+            if self.profiling and self.loss_started is not None:  # the first backward ends stage 2
+                self.add("stage 2: loss and its gradient", self.now() - self.loss_started)
+                self.loss_started = None
+            surrogate.backward()
+
+        def timed_select(column, index):
+            if not self.profiling:
+                return gradcache.select_examples(column, index)
+            started = self.now()
+            chunk = gradcache.select_examples(column, index)
+            self.add("selecting chunks", self.now() - started)
+            return chunk
+
+        return {**flags, "loss_fn": timed_loss, "backward": timed_backward, "select": timed_select}
+
+    def run(self, step, optimizer, features, profile):
+        """One training step: its seconds, its loss, and while profiling the seconds per part (PARTS)."""
+        self.profiling, self.parts = profile, {}
+        started = self.now()
+        loss = step(features)
+        optimizer_started = self.now() if profile else None
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        total = self.now() - started
+        if profile:
+            self.add("optimizer (AdamW)", started + total - optimizer_started)
+            self.add("backward and the rest", total - sum(self.parts.values()))
+        self.profiling = False
+        return total, float(loss), self.parts
+
+
+def variant_max_batch(name, args):
+    if name == "plain":
+        return args.plain_max_batch
+    return math.inf if name in ("ours", "ST cached") else args.ablation_max_batch
+
+
+def make_variant_step(name, model, chunk_size, clock):
+    method, flags = VARIANTS[name]
+    if method != "ours":
+        return harness.make_step(method, model, chunk_size)
+    kwargs = clock.wrap_ours(flags)
+    loss_fn = kwargs.pop("loss_fn")
+    return lambda features: gradcache.gradcache_step(model, features, loss_fn, chunk_size, **kwargs).loss
+
+
+def check_agreement(model, features, chunk_size):
+    """Loss and gradients of ours and ST against plain, dropout off: the benchmark compares equal work."""
+    model.eval()
+    results = {}
+    for method in ("plain", "ours", "st"):
+        model.zero_grad(set_to_none=True)
+        loss = harness.make_step(method, model, chunk_size)(features)
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        results[method] = (float(loss), grads)
+    model.zero_grad(set_to_none=True)
+    model.train()
+    plain_loss, plain_grads = results["plain"]
+    scale = float(plain_grads.abs().max())
+    return {
+        "batch_size": len(features[0]["input_ids"]),
+        "losses": {method: loss for method, (loss, _) in results.items()},
+        "max_gradient_difference": {
+            method: float((grads - plain_grads).abs().max()) / scale
+            for method, (_, grads) in results.items()
+            if method != "plain"
+        },
+    }
+
+
+def measure(args):
+    model = harness.load_model(args.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5)
+    clock = StepClock(model, args.device)
+    total_rounds = args.warmup + args.rounds
+    texts = harness.load_texts(max(args.batch_sizes) * total_rounds)
+    agreement = check_agreement(
+        model, harness.tokenize(model, texts, 0, min(args.batch_sizes)), args.chunk_size
+    )
+    print(f"agreement: {agreement}", flush=True)
+    profile_timed_rounds = not args.device.startswith("cuda")
+    measurements = []
+    for batch_size in args.batch_sizes:
+        names = [name for name in VARIANTS if batch_size <= variant_max_batch(name, args)]
+        steps = {name: make_variant_step(name, model, args.chunk_size, clock) for name in names}
+        runs, parts = {name: [] for name in names}, {name: [] for name in names}
+        did_not_fit = []
+        # on CUDA one more round, profiling
+        for round_index in range(total_rounds + (not profile_timed_rounds)):
+            timed = round_index < total_rounds
+            features = harness.tokenize(model, texts, round_index % total_rounds * batch_size, batch_size)
+            rotation = round_index % len(names)
+            for name in names[rotation:] + names[:rotation]:
+                try:
+                    seconds, loss, step_parts = clock.run(
+                        steps[name], optimizer, features, profile=profile_timed_rounds or not timed
+                    )
+                except Exception as error:  # a variant out of memory leaves the comparison, others raise
+                    if not harness.is_out_of_memory(error):
+                        raise
+                    optimizer.zero_grad(set_to_none=True)
+                    did_not_fit.append(name)
+                    continue
+                if round_index >= args.warmup and timed:
+                    runs[name].append({"seconds": seconds, "loss": loss})
+                if round_index >= args.warmup and step_parts:
+                    parts[name].append(step_parts)
+                print(f"batch {batch_size} round {round_index} {name}: {seconds:.2f} s", flush=True)
+            names = [name for name in names if name not in did_not_fit]
+        measurements.append(
+            {
+                "batch_size": batch_size,
+                "runs": {name: runs[name] for name in names},
+                "parts": {name: parts[name] for name in names},
+                "did_not_fit": did_not_fit,
+            }
+        )
+    return {"agreement": agreement, "measurements": measurements}
+
+
+def paired_ratio(runs, numerator, denominator):
+    """Median over rounds of numerator/denominator, and the range: both ran in the same round."""
+    ratios = [a["seconds"] / b["seconds"] for a, b in zip(runs[numerator], runs[denominator], strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def ratio_cell(runs, numerator, denominator):
+    if numerator not in runs or denominator not in runs:
+        return "-"
+    median, low, high = paired_ratio(runs, numerator, denominator)
+    return f"{median:.2f}x ({low:.2f}-{high:.2f})"
+
+
+def median_seconds(runs, name):
+    return statistics.median(run["seconds"] for run in runs[name])
+
+
+def encoding_ratio(measurement):
+    """Median encoding seconds (forward passes) of length-sorted chunks over chunks in batch order."""
+    parts = measurement["parts"]
+    if "ours" not in parts or "ours, unsorted" not in parts:
+        return "-"
+    encoding = {
+        name: statistics.median(p["forward no grad"] + p["forward with grad"] for p in parts[name])
+        for name in ("ours", "ours, unsorted")
+    }
+    return f"{encoding['ours'] / encoding['ours, unsorted']:.2f}x"
+
+
+def time_cell(measurement, name):
+    if name in measurement["did_not_fit"]:
+        return "did not fit"
+    return f"{median_seconds(measurement['runs'], name):.2f}" if name in measurement["runs"] else "-"
+
+
+def tables(results, args):
+    agreement = results["agreement"]
+    names = {"plain": "plain", "ours": "ours", "st": "ST cached"}
+    losses = ", ".join(f"{names[m]} {loss:.6f}" for m, loss in agreement["losses"].items())
+    gradient_diffs = ", ".join(f"{names[m]} {d:.1e}" for m, d in agreement["max_gradient_difference"].items())
+    sections = [
+        f"Sanity, dropout off, batch {agreement['batch_size']}: losses {losses}; largest gradient "
+        f"difference to plain, relative to plain's largest gradient: {gradient_diffs}."
+    ]
+    ratio_rows, time_rows, part_rows = [], [], []
+    for measurement in results["measurements"]:
+        batch_size, runs = measurement["batch_size"], measurement["runs"]
+        ratio_rows.append(
+            [
+                batch_size,
+                ratio_cell(runs, "ours", "ST cached"),
+                ratio_cell(runs, "ours", "plain"),
+                ratio_cell(runs, "ST cached", "plain"),
+                ratio_cell(runs, "ours, unsorted", "ours"),
+                ratio_cell(runs, "ours, no reuse", "ours"),
+                ratio_cell(runs, "ours, unsorted, no reuse", "ours"),
+                ratio_cell(runs, "ours, unsorted, no reuse", "ST cached"),
+                encoding_ratio(measurement),
+            ]
+        )
+        time_rows.append([batch_size] + [time_cell(measurement, name) for name in VARIANTS])
+        for name in ("plain", "ST cached", "ours", "ours, unsorted"):
+            if name in runs:
+                step_parts = measurement["parts"][name]
+                medians = [statistics.median(p.get(part, 0.0) for p in step_parts) for part in PARTS]
+                seconds = [median_seconds(runs, name), *medians]
+                part_rows.append([batch_size, name, *(f"{value:.2f}" for value in seconds)])
+    sections.append(
+        "Step time ratios: median of the per-round ratios (lowest-highest over "
+        f"{args.rounds} rounds; {args.warmup} warm-up round(s) left out), chunk {args.chunk_size}. "
+        "Below 1 means the first is faster. Plain runs up to batch "
+        f"{args.plain_max_batch} (the memory benchmark shows what it needs beyond), ours with its switches "
+        f"off up to batch {args.ablation_max_batch}."
+    )
+    sections.append(
+        harness.markdown_table(
+            [
+                "batch",
+                "ours / ST cached",
+                "ours / plain",
+                "ST cached / plain",
+                "ours unsorted / ours",
+                "ours no reuse / ours",
+                "ours unsorted, no reuse / ours",
+                "ours unsorted, no reuse / ST cached",
+                "encoding: sorted / unsorted chunks",
+            ],
+            ratio_rows,
+        )
+    )
+    sections.append("Median seconds per step (gradient + AdamW step):")
+    sections.append(harness.markdown_table(["batch", *VARIANTS], time_rows))
+    sections.append(
+        "Where the time goes: median seconds per step and per part (medians need not add up to the step)."
+    )
+    sections.append(harness.markdown_table(["batch", "variant", "step", *PARTS], part_rows))
+    return "\n\n".join(sections)
+
+
+def plot(results, path):
+    """Per batch, each variant's step time over ours': median of the per-round ratios, bars their range."""
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    measurements = results["measurements"]
+    width = 0.8 / len(VARIANTS)
+    for v, name in enumerate(VARIANTS):
+        xs, medians, lows, highs = [], [], [], []
+        for m, measurement in enumerate(measurements):
+            if name in measurement["runs"]:
+                median, low, high = paired_ratio(measurement["runs"], name, "ours")
+                xs.append(m + (v - (len(VARIANTS) - 1) / 2) * width)
+                medians.append(median)
+                lows.append(median - low)
+                highs.append(high - median)
+        axes.bar(xs, medians, width, yerr=[lows, highs], capsize=2, label=name)
+    axes.axhline(1.0, color="black", linewidth=0.8)
+    axes.set_xticks(range(len(measurements)), [f"batch {m['batch_size']}" for m in measurements])
+    axes.set_ylabel("step time / ours' in the same round")
+    axes.set_title("Step time relative to this project (lower is faster)")
+    axes.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def render(json_path):
+    saved = json.loads(json_path.read_text())
+    args = argparse.Namespace(**saved["settings"])
+    plot(saved["results"], json_path.with_suffix(".png"))
+    markdown = "\n\n".join(
+        [
+            harness.provenance_markdown(saved["provenance"]),
+            tables(saved["results"], args),
+            f"![step time relative to ours]({json_path.stem}.png)",
+        ]
+    )
+    json_path.with_suffix(".md").write_text(markdown + "\n")
+    print(markdown)
+
+
+def main(argv=None):
+    args = parser.parse_args(argv)
+    args.preset = args.preset or ("gpu" if args.device.startswith("cuda") else "cpu")
+    json_path = Path(args.out_dir) / f"speed_{args.preset}.json"
+    if args.render_only:
+        render(json_path)
+        return
+    for key, value in (DEFAULTS | PRESETS[args.preset]).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    command = shlex.join(["python", "bench/speed.py", *(sys.argv[1:] if argv is None else argv)])
+    info = harness.provenance(args.device, command)
+    results = measure(args)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(
+        json.dumps({"provenance": info, "settings": vars(args), "results": results}, indent=1)
+    )
+    render(json_path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Smoke tests of the benchmarks in bench/: each script on its smallest preset (`--preset smoke`) writes
+results whose numbers show, in small, what its full run is there to show, and bench/make_results.py
+assembles them into a RESULTS.md."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))  # where the scripts import their harness from
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def run_script(name, out_dir):
+    """`python bench/<name>.py --preset smoke --out_dir <out_dir>` in a fresh process, as a user runs it (in
+    this process, torch's threads would already be spinning, and crawl on a busy machine)."""
+    command = [
+        sys.executable,
+        str(ROOT / "bench" / f"{name}.py"),
+        "--preset",
+        "smoke",
+        "--out_dir",
+        str(out_dir),
+    ]
+    subprocess.run(command, cwd=ROOT, check=True, timeout=600)
+    stem = out_dir / f"{name}_smoke"
+    assert stem.with_suffix(".png").read_bytes().startswith(PNG_SIGNATURE)
+    markdown = stem.with_suffix(".md").read_text()
+    assert f"`python bench/{name}.py --preset smoke" in markdown  # the command that made it
+    return json.loads(stem.with_suffix(".json").read_text()), markdown
+
+
+@pytest.fixture(scope="module")
+def results_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench_results")
+
+
+@pytest.fixture(scope="module")
+def memory_run(results_dir):
+    return run_script("memory", results_dir)
+
+
+@pytest.fixture(scope="module")
+def speed_run(results_dir):
+    return run_script("speed", results_dir)
+
+
+@pytest.fixture(scope="module")
+def memory_cap_run(results_dir):
+    return run_script("memory_cap", results_dir)
+
+
+@pytest.fixture(scope="module")
+def quality_run(results_dir):
+    return run_script("quality", results_dir)
+
+
+def test_memory_chunked_steps_hold_less_than_the_full_batch(memory_run):
+    saved, markdown = memory_run
+    peaks = {p["method"]: p["step_peak_bytes"] for p in saved["points"] if p["fits"]}
+    assert len(saved["points"]) == len(peaks) == 2
+    # a quarter of the batch's activations alive at a time (chunk 4 of batch 16): less than plain
+    assert 0 < peaks["ours"] < peaks["plain"]
+    assert set(saved["points"][0]["phase_peak_bytes"]) == {"step"}
+    ours = next(p for p in saved["points"] if p["method"] == "ours")
+    assert set(ours["phase_peak_bytes"]) == {"chunks", "loss"}
+    assert ours["step_peak_bytes"] == max(ours["phase_peak_bytes"].values())
+    assert "| batch |" in markdown and "ST cached (MiB)" in markdown
+
+
+def test_speed_compares_equal_work_and_times_every_variant(speed_run):
+    saved, markdown = speed_run
+    agreement = saved["results"]["agreement"]
+    losses = agreement["losses"]
+    assert losses["ours"] == pytest.approx(losses["plain"], rel=1e-5)
+    assert losses["st"] == pytest.approx(losses["plain"], rel=1e-5)
+    assert max(agreement["max_gradient_difference"].values()) < 1e-4
+    (measurement,) = saved["results"]["measurements"]
+    assert set(measurement["runs"]) == {
+        "plain",
+        "ST cached",
+        "ours",
+        "ours, unsorted",
+        "ours, no reuse",
+        "ours, unsorted, no reuse",
+    }
+    for name, runs in measurement["runs"].items():
+        assert len(runs) == saved["settings"]["rounds"] == len(measurement["parts"][name])
+        assert all(run["seconds"] > 0 for run in runs)
+    (plain,) = measurement["parts"]["plain"]
+    assert plain["forward with grad"] > 0 and "forward no grad" not in plain
+    for name in ("ours", "ST cached"):  # encoded without grad first, then again with grad
+        (parts,) = measurement["parts"][name]
+        assert parts["forward no grad"] > 0 and parts["forward with grad"] > 0
+    assert measurement["parts"]["ours"][0]["stage 2: loss and its gradient"] > 0
+    assert "ours / ST cached" in markdown
+
+
+def test_memory_cap_stops_plain_where_ours_still_fits(memory_cap_run):
+    saved, markdown = memory_cap_run
+    by_method = {result["method"]: result for result in saved["results"]}
+    batch = saved["settings"]["start_batch"]
+    # plain ran out of memory under the cap, an allocation failing inside the step (not a crash)
+    (plain_probe,) = by_method["plain"]["probes"]
+    assert not plain_probe["fits"] and "died" not in plain_probe
+    assert by_method["plain"]["largest_fit"] is None and by_method["plain"]["smallest_failure"] == batch
+    (ours_probe,) = by_method["ours"]["probes"]
+    assert ours_probe["fits"] and ours_probe["step_peak_bytes"] < saved["settings"]["cap_gib"] * 2**30
+    assert by_method["ours"]["largest_fit"] == batch
+    assert "largest batch that fit" in markdown
+
+
+def test_quality_fine_tunes_through_train_py_and_scores_the_dev_split(quality_run, results_dir):
+    saved, markdown = quality_run
+    before, *trained = saved["runs"]
+    assert before["batch_size"] is None
+    assert [run["batch_size"] for run in trained] == saved["settings"]["batch_sizes"]
+    for run in [before, *trained]:
+        assert 0 < run["mrr@10"] <= 1 and 0 < run["ndcg@10"] <= 1
+    for run in trained:
+        assert run["train_seconds"] > 0 and run["optimizer_steps"] >= 1
+        # scored from train.py's saved model, which is deleted once scored
+        assert not (results_dir / "tmp" / "quality_smoke" / f"batch_{run['batch_size']}").exists()
+    assert "dev MRR@10" in markdown
+
+
+def test_make_results_assembles_every_section(
+    results_dir, memory_run, speed_run, memory_cap_run, quality_run
+):
+    output = results_dir / "RESULTS.md"
+    command = [
+        sys.executable,
+        "bench/make_results.py",
+        "--results_dir",
+        str(results_dir),
+        "--presets",
+        "smoke",
+        "--output",
+        str(output),
+    ]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    text = output.read_text()
+    for name in ("memory", "speed", "memory_cap", "quality"):
+        section = (results_dir / f"{name}_smoke.md").read_text().split("\n\n")[1]
+        assert section in text
+    # the targets are checked against the smoke results: a verdict computed for each speed target
+    targets = text.split("## Targets")[1].split("\n## ")[0]
+    for other in ("ST cached", "plain"):
+        assert re.search(
+            rf"\| speed: a step of ours at most [\d.]+x one of {other} .*\| (met|missed by \d+%) \|", targets
+        )
+    assert "| exactness: no speed-up changes the gradient |" in targets
