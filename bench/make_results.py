@@ -223,7 +223,8 @@ def quality_claim(saved):
             "Quality: with equal epochs a bigger batch takes fewer optimizer steps ("
             + ", ".join(f"batch {run['batch_size']}: {n}" for run, n in zip(trained, steps, strict=True))
             + f") over {saved['settings']['train_examples'] or 'all'} training examples, one run per batch "
-            "size; the paper's gains come from long training on large data (the GPU preset trains on all)."
+            "size: too few updates at the largest batch to test the claim. The GPU preset trains on all "
+            "examples."
         )
     return [row], why
 
