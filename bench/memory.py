@@ -6,7 +6,7 @@ and hard-negative columns of data/wordnet_train.jsonl.gz. On CPU every point run
 reads the peak resident set above the one just before the step (bench/harness.py says what is in it); on
 CUDA every point reads torch.cuda.max_memory_allocated above the memory allocated before the step.
 
-    python bench/memory.py                               # CPU: batches 32..4096, about 30 min on 2 cores
+    python bench/memory.py                               # CPU: batches 32..4096, about 1 h on 2 busy cores
     python bench/memory.py --device cuda --preset gpu    # one GPU: batches 32..32768, a few minutes
     python bench/memory.py --preset smoke                # tiny batches, seconds: the test suite runs this
 

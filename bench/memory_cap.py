@@ -7,7 +7,7 @@ share of the device is limited the same way (torch.cuda.set_per_process_memory_f
 doubles the batch from --start_batch until a step fails or --max_batch is reached, then bisects between
 the last batch that fit and the first that did not (multiples of 8).
 
-    python bench/memory_cap.py                              # CPU: cap 1 GiB, about 20 min on 2 cores
+    python bench/memory_cap.py                              # CPU: cap 1 GiB, about 15 min on 2 cores
     python bench/memory_cap.py --device cuda --preset gpu   # one GPU: cap 16 GiB, a few minutes
     python bench/memory_cap.py --preset smoke               # seconds: the test suite runs this
 

@@ -9,7 +9,7 @@ Learning rate: square-root scaling, lr = reference_lr * sqrt(batch / reference_b
 Adam's update noise comparable across batch sizes (Malladi et al., NeurIPS 2022); the reference is
 train.py's default (2e-4 at batch 128). With equal epochs a bigger batch takes fewer optimizer steps.
 
-    python bench/quality.py                             # CPU: 8192 examples, 1 epoch, about 30 min on 2 cores
+    python bench/quality.py                             # CPU: 8192 examples, 1 epoch, 20-35 min on 2 cores
     python bench/quality.py --device cuda --preset gpu  # one GPU: all 85k examples, 1 epoch, a few minutes
     python bench/quality.py --preset smoke              # seconds: the test suite runs this
 

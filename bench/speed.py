@@ -12,7 +12,7 @@ and its gradient) and chunk selection.
 
 Before timing, a sanity check: plain, ours and ST with dropout off give the same loss and gradients.
 
-    python bench/speed.py                               # CPU: batches 64, 256, 1024; about 30 min
+    python bench/speed.py                               # CPU: batches 64, 256, 1024; about 50 min
     python bench/speed.py --device cuda --preset gpu    # one GPU: batches 1024 and 4096, a few minutes
     python bench/speed.py --preset smoke                # tiny batches, seconds: the test suite runs this
 
@@ -40,8 +40,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import gradcache  # noqa: E402
 
 PRESETS = {
-    # CPU: plain needs about 8 GiB for one step at batch 256 (bench/memory.py), 30 at 1024; the switches
-    # of ours (sorting, reuse) are compared up to batch 256, to keep the run near half an hour.
+    # CPU: plain needs about 8 GiB for one step at batch 256 and did not fit in 8 GiB at 512
+    # (bench/memory.py); ours' switches (sorting, reuse) are compared up to batch 256, to stay under an hour.
     "cpu": {"batch_sizes": [64, 256, 1024], "plain_max_batch": 256, "ablation_max_batch": 256},
     "gpu": {"batch_sizes": [1024, 4096], "plain_max_batch": 4096, "ablation_max_batch": 4096},
     "smoke": {
