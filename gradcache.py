@@ -163,10 +163,10 @@ class TiledCrossEntropy(torch.autograd.Function):
                log-sum-exp: a running maximum m_I and sum l_I of exp(S - m_I), the sum rescaled by
                exp(old m - new m) when the maximum rises; the target scores s_i,t(i) are read from
                the tile that holds them. Output: l_i = log l_i - (s_i,t(i) - m_i).
-    Backward:  with g_i = dL/dl_i, the tiles are recomputed: P_IJ = exp(S_IJ - m_I - log l_I) (the
-               softmax), G_IJ = g_I (P_IJ - Y_IJ), and  dQ_I += tau G_IJ K_J,   dK_J += G_IJ^T (tau Q_I).
-    Memory: Q, K, their gradients, two floats per row (m and log l, kept apart as a materialized softmax
-    keeps them: their sum LSE would round to the precision of its magnitude) and one tile. Compute: four
+    Backward:  with g_i = dL/dl_i, the tiles are recomputed: P_IJ = exp(S_IJ - m_I) / l_I (the softmax),
+               G_IJ = g_I (P_IJ - Y_IJ), and  dQ_I += tau G_IJ K_J,   dK_J += G_IJ^T (tau Q_I).
+    Memory: Q, K, their gradients, two floats per row (m and l: LSE = m + log l would round to the
+    precision of its magnitude, 1e-6 at a scale of 20, and so would every P) and one tile. Compute: four
     matrix products of the score matrix's size instead of three. P - Y is formed in the tile, so the
     gradient of a row whose softmax is nearly one-hot does not lose its digits to a later subtraction.
     """
@@ -181,27 +181,25 @@ class TiledCrossEntropy(torch.autograd.Function):
             scores = scaled[rows] @ keys[columns].T
             local, targets = targets_in_tile(i, j, scores.shape, first_target, queries.device)
             target_scores[i + local] = scores[local, targets]
-            new_max = torch.maximum(row_max[rows], scores.max(dim=1).values)
+            new_max = torch.maximum(row_max[rows], scores.amax(dim=1))
             rescale = torch.exp(row_max[rows] - new_max)
             row_sum[rows] = row_sum[rows] * rescale + scores.sub_(new_max[:, None]).exp_().sum(dim=1)
             row_max[rows] = new_max
-        log_sum = row_sum.log()
-        ctx.save_for_backward(queries, keys, row_max, log_sum)
+        ctx.save_for_backward(queries, keys, row_max, row_sum)
         ctx.first_target, ctx.scale, ctx.tile_size = first_target, scale, tile_size
-        return log_sum - (target_scores - row_max)
+        return row_sum.log() - (target_scores - row_max)
 
     @staticmethod
     def backward(ctx, grad_rows):
-        queries, keys, row_max, log_sum = ctx.saved_tensors
+        queries, keys, row_max, row_sum = ctx.saved_tensors
         scaled = queries * ctx.scale
+        grad_over_sum = grad_rows / row_sum  # g_i P_ij = exp(s_ij - m_i) g_i / l_i: one pass less
         grad_queries, grad_keys = torch.zeros_like(queries), torch.zeros_like(keys)
         for i, j, rows, columns in tiles(len(queries), len(keys), ctx.tile_size):
-            weights = (
-                (scaled[rows] @ keys[columns].T).sub_(row_max[rows, None]).sub_(log_sum[rows, None]).exp_()
-            )
+            weights = (scaled[rows] @ keys[columns].T).sub_(row_max[rows, None]).exp_()
+            weights.mul_(grad_over_sum[rows, None])
             local, targets = targets_in_tile(i, j, weights.shape, ctx.first_target, queries.device)
-            weights[local, targets] -= 1
-            weights.mul_(grad_rows[rows, None])
+            weights[local, targets] -= grad_rows[i + local]
             grad_queries[rows].addmm_(weights, keys[columns], alpha=ctx.scale)
             grad_keys[columns].addmm_(weights.T, scaled[rows])
         return grad_queries, grad_keys, None, None, None
