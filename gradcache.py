@@ -164,8 +164,8 @@ class TiledCrossEntropy(torch.autograd.Function):
     Forward:   for each row tile I and column tile J, S_IJ = (tau Q_I) K_J^T is folded into an online
                log-sum-exp: a running maximum m_I and sum l_I of exp(S - m_I), the sum rescaled by
                exp(old m - new m) when the maximum rises; the target scores s_i,t(i) are read from
-               the tile that holds them. Output: l_i = log l_i - (s_i,t(i) - m_i).
-    Backward:  with g_i = dL/dl_i, the tiles are recomputed: P_IJ = exp(S_IJ - m_I) / l_I (the softmax),
+               the tile that holds them. Output: ce_i = log l_i - (s_i,t(i) - m_i) = LSE_i - s_i,t(i).
+    Backward:  with g_i = dL/dce_i, the tiles are recomputed: P_IJ = exp(S_IJ - m_I) / l_I (the softmax),
                G_IJ = g_I (P_IJ - Y_IJ), and  dQ_I += tau G_IJ K_J,   dK_J += G_IJ^T (tau Q_I).
     Memory: Q, K, their gradients, two floats per row (m and l: LSE = m + log l would round to the
     precision of its magnitude, 1e-6 at a scale of 20, and so would every P) and one tile. Compute: four
