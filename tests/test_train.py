@@ -69,14 +69,15 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def launch(config, output_dir, *args, processes=1, env=None, check=True):
-    """`accelerate launch --config_file <config> train.py ...`; returns the finished process."""
+def launch(config, output_dir, *args, processes=1, env=None, check=True, script=REPO / "train.py"):
+    """`accelerate launch --config_file <config> train.py ...`, from the folder of `script`; returns the
+    finished process."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     command += ["--num_processes", str(processes), "--main_process_port", str(free_port())]
-    command += [str(REPO / "train.py"), "--output_dir", str(output_dir), *map(str, args)]
+    command += [str(script), "--output_dir", str(output_dir), *map(str, args)]
     environment = os.environ | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(max(1, 2 // processes))}
     done = subprocess.run(
-        command, cwd=REPO, env=environment | (env or {}), capture_output=True, text=True, timeout=600
+        command, cwd=Path(script).parent, env=environment | (env or {}), capture_output=True, text=True, timeout=600
     )
     if check:
         assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
