@@ -483,8 +483,12 @@ def prepare_model(model, args):
         for transformer in transformers:  # one per tower of a Router model
             transformer.add_adapter(config)  # freezes the other weights; model.save writes the adapter
     if args.gradient_checkpointing:
-        for transformer in transformers:  # the reentrant variant would miss inputs that need no grad
-            transformer.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        no_reentrant = {"use_reentrant": False}  # the reentrant variant would miss inputs that need no grad
+        for transformer in transformers:
+            if hasattr(transformer, "activation_checkpointing_enable"):  # its name since transformers 5.x
+                transformer.activation_checkpointing_enable(activation_checkpointing_kwargs=no_reentrant)
+            else:
+                transformer.gradient_checkpointing_enable(gradient_checkpointing_kwargs=no_reentrant)
     return model
 
 

@@ -40,25 +40,44 @@ def write_rows(path, rows):
     return path
 
 
-def build_tiny_model(folder, dropout):
-    """A 2-layer BERT with hidden size 32 and a WordPiece vocabulary of the data's tokens, mean pooled."""
+def build_tiny_model(folder, dropout, kind="mean"):
+    """A tiny random sentence-transformers model over a WordPiece vocabulary of the data's tokens, saved.
+
+    kind: "mean"    a 2-layer BERT (hidden size 32), mean pooled, no Normalize
+          "cls"     the same BERT, CLS pooled, then Normalize
+          "decoder" a 2-layer Llama, last-token pooled, the tokenizer padding on the left
+          "router"  two BERTs, one for queries and one for documents, behind sentence-transformers' Router
+    """
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
-    from transformers import BertConfig, BertModel, BertTokenizerFast
+    from sentence_transformers.base.modules import Router
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    from transformers import BertConfig, BertModel, BertTokenizerFast, LlamaConfig, LlamaModel
 
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
     vocab += [f"{kind}{i}" for kind in "apn" for i in range(ROWS + 8)]
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    config = BertConfig(
-        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=32,
-        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    BertModel(config).save_pretrained(folder / "bert")
-    BertTokenizerFast(str(folder / "vocab.txt")).save_pretrained(folder / "bert")
-    transformer = Transformer(str(folder / "bert"))
-    model = SentenceTransformer(modules=[transformer, Pooling(transformer.get_embedding_dimension())])
+    sizes = dict(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 intermediate_size=64, max_position_embeddings=32)  # fmt: skip
+
+    def transformer(name, seed):
+        torch.manual_seed(seed)
+        if kind == "decoder":
+            config = LlamaConfig(**sizes, num_key_value_heads=1, attention_dropout=dropout, pad_token_id=0)
+            LlamaModel(config).save_pretrained(folder / name)
+        else:
+            config = BertConfig(**sizes, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+            BertModel(config).save_pretrained(folder / name)
+        padding_side = "left" if kind == "decoder" else "right"
+        BertTokenizerFast(str(folder / "vocab.txt"), padding_side=padding_side).save_pretrained(folder / name)
+        return Transformer(str(folder / name))
+
+    pooling = Pooling(32, {"cls": "cls", "decoder": "lasttoken"}.get(kind, "mean"))
+    if kind == "router":
+        router = Router.for_query_document([transformer("query", 0)], [transformer("document", 1)])
+        modules = [router, pooling]
+    else:
+        modules = [transformer("bert" if kind != "decoder" else "llama", 0), pooling]
+    model = SentenceTransformer(modules=modules + ([Normalize()] if kind == "cls" else []))
     model.save(str(folder / "model"))
     return folder / "model"
 
@@ -77,7 +96,12 @@ def launch(config, output_dir, *args, processes=1, env=None, check=True, script=
     command += [str(script), "--output_dir", str(output_dir), *map(str, args)]
     environment = os.environ | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(max(1, 2 // processes))}
     done = subprocess.run(
-        command, cwd=Path(script).parent, env=environment | (env or {}), capture_output=True, text=True, timeout=600
+        command,
+        cwd=Path(script).parent,
+        env=environment | (env or {}),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     if check:
         assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
