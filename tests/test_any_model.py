@@ -3,6 +3,7 @@ gradcache through train.py's own functions, data as public sets ship it, and tra
 """
 
 import functools
+import importlib.util
 import json
 import random
 import shutil
@@ -165,7 +166,7 @@ def test_versions_and_the_bundled_model_fail_with_what_to_do(monkeypatch):
 
 def test_the_two_files_train_alone_without_optional_packages(tmp_path):
     """train.py and gradcache.py copied into an empty folder, with wandb, deepspeed and the bundled model
-    package made unimportable, train the decoder model with LoRA on FlagEmbedding-style records."""
+    package made unimportable, train the decoder model with LoRA on FlagEmbedding-style records, under DDP."""
     repo = tmp_path / "their_repo"
     repo.mkdir()
     for name in ("train.py", "gradcache.py"):
@@ -188,12 +189,14 @@ def test_the_two_files_train_alone_without_optional_packages(tmp_path):
     data = write_rows(tmp_path / "flag.jsonl", rows)
     model = build_tiny_model(tmp_path, dropout=0.1, kind="decoder")
     done = launch(
-        CONFIGS / "cpu.yaml", tmp_path / "run", "--model", model, "--data", data, "--dev_data", data,
+        CONFIGS / "cpu_ddp_2proc.yaml", tmp_path / "run",
+        "--model", model, "--data", data, "--dev_data", data,
         "--batch_size", 8, "--chunk_size", 3, "--max_steps", 2, "--lr", 1e-2, "--wandb_mode", "disabled",
         "--lora_r", 4, "--gradient_checkpointing", "--query_prompt", "w1 ",
-        script=repo / "train.py", env={"PYTHONPATH": str(tmp_path / "blocked")},
+        processes=2, script=repo / "train.py",
+        env={"PYTHONPATH": str(tmp_path / "blocked"), "ACCELERATE_USE_CPU": "true"},
     )  # fmt: skip
-    assert "negatives_per_example: 23" in done.stdout  # 8 anchors x (positive + 2 negatives) - 1
+    assert "negatives_per_example: 23" in done.stdout and "processes: 2" in done.stdout  # 8 x (1 + 2) - 1
     assert "each uses its first 2" in done.stdout
     assert not (tmp_path / "run" / "wandb").exists()
     assert (tmp_path / "run" / "final" / "adapter_config.json").is_file()
@@ -201,3 +204,56 @@ def test_the_two_files_train_alone_without_optional_packages(tmp_path):
     frozen = {name.replace(".base_layer", ""): v for name, v in trained.items() if "lora_" not in name}
     assert max_difference(frozen, initial) == 0
     assert max(float(value.abs().max()) for name, value in trained.items() if "lora_B" in name) > 0
+
+
+@pytest.mark.parametrize(
+    "kind, config, flags",
+    [
+        ("cls", "deepspeed_zero2.yaml", ["--lora_r", 4]),  # LoRA under ZeRO-2, two processes
+        ("router", "cpu.yaml", ["--similarity", "dot", "--query_prompt", "w1 "]),
+    ],
+)
+def test_architectures_train_and_save(tmp_path, data, kind, config, flags):
+    model = build_tiny_model(tmp_path, dropout=0.1, kind=kind)
+    processes = 2 if "deepspeed" in config else 1
+    launch(
+        CONFIGS / config, tmp_path / "run", "--model", model, "--data", data[0], "--dev_data", data[1],
+        "--batch_size", 8, "--chunk_size", 3, "--max_steps", 2, "--lr", 1e-2, "--wandb_mode", "disabled",
+        *flags, processes=processes,
+    )  # fmt: skip
+    final = tmp_path / "run" / "final"
+    trained, initial = weights(final), weights(model)
+    if "--lora_r" in flags:
+        frozen = {name.replace(".base_layer", ""): v for name, v in trained.items() if "lora_" not in name}
+        assert max_difference(frozen, initial) == 0
+        assert max(float(value.abs().max()) for name, value in trained.items() if "lora_B" in name) > 0
+    else:
+        assert max_difference(trained, initial) > 1e-4
+    if "dot" in flags:  # saved with the similarity it was trained with
+        assert (
+            json.loads((final / "config_sentence_transformers.json").read_text())["similarity_fn_name"]
+            == "dot"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hard-negative mining writes what train.py reads
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_mined_hard_negatives_are_train_data(tmp_path, data):
+    spec = importlib.util.spec_from_file_location("mine", REPO / "data" / "mine_hard_negatives.py")
+    mine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mine)
+    model = build_tiny_model(tmp_path, dropout=0.0)
+    common = ["--model", str(model), "--data", str(data[0]), "--num_negatives", "2", "--range_max", "10"]
+    mined = mine.main([*common, "--out", str(tmp_path / "mined.jsonl.gz"), "--query_prompt", "w1 "])
+    loaded, _ = train.load_pairs(str(tmp_path / "mined.jsonl.gz"), train.parse_columns(""))
+    assert loaded.column_names == ["anchor", "positive", "negative_1", "negative_2"]
+    assert len(loaded) == len(mined) > 0
+    positives = set(loaded["positive"])
+    for row in loaded:  # negatives are other pairs' positives, never the row's own
+        assert {row["negative_1"], row["negative_2"]} <= positives - {row["positive"]}
+    # The false-negative margin reaches sentence-transformers: a margin of 2 on cosine scores drops all.
+    strict = mine.main([*common, "--out", str(tmp_path / "strict.jsonl"), "--absolute_margin", "2"])
+    assert len(strict) < len(mined)
