@@ -644,7 +644,7 @@ def main(args):
     launched_distributed = "LOCAL_RANK" in os.environ  # set by torchrun and the DeepSpeed launcher
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
-        log_with=["tensorboard"] + (["wandb"] if args.wandb_mode != "disabled" else []),  # wandb if used
+        log_with=["tensorboard"] + (["wandb"] if args.wandb_mode != "disabled" else []),
         project_config=ProjectConfiguration(str(output_dir), logging_dir=str(output_dir / "tensorboard")),
         kwargs_handlers=[
             # Several processes without CUDA: name gloo, or accelerate leaves the backend unset and each
@@ -675,9 +675,7 @@ def main(args):
     loader = torch.utils.data.DataLoader(
         sampler.examples, args.batch_size, sampler=sampler, drop_last=True, generator=torch.Generator()
     )
-    trainable = [
-        parameter for parameter in model.parameters() if parameter.requires_grad
-    ]  # LoRA: the adapter
+    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapter only
     adamw = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
     engine, optimizer, loader = accelerator.prepare(model, adamw, loader)
     if len(loader) == 0:
