@@ -851,7 +851,8 @@ def main(args):
 
     save_final_model(accelerator, model, output_dir / "final")
     accelerator.print(f"saved {output_dir / 'final'}: load it with SentenceTransformer(path)")
-    for name in ("eval/dev_cosine_mrr@10", "eval/dev_cosine_ndcg@10", "eval/dev_cosine_recall@10"):
+    for name in ("mrr@10", "ndcg@10", "recall@10"):  # scored by the model's similarity: cosine, dot
+        name = f"eval/dev_{model.similarity_fn_name}_{name}"
         if first_eval and last_eval:
             accelerator.print(f"{name}: {first_eval[name]:.4f} before, {last_eval[name]:.4f} after training")
     accelerator.end_training()
