@@ -468,6 +468,8 @@ def prepare_model(model, args):
             "product: pass --similarity cos or --similarity dot (the saved model will use it too)."
         )
     transformers = [module for module in model.modules() if isinstance(module, PreTrainedModel)]
+    if (args.lora_r or args.gradient_checkpointing) and not transformers:
+        fail("--lora_r and --gradient_checkpointing need a model with a transformers module (Transformer).")
     if args.lora_r:
         try:
             from peft import LoraConfig
@@ -483,12 +485,16 @@ def prepare_model(model, args):
         for transformer in transformers:  # one per tower of a Router model
             transformer.add_adapter(config)  # freezes the other weights; model.save writes the adapter
     if args.gradient_checkpointing:
-        no_reentrant = {"use_reentrant": False}  # the reentrant variant would miss inputs that need no grad
+        # The reentrant variant back-propagates nothing when a layer's inputs need no gradient (LoRA).
         for transformer in transformers:
             if hasattr(transformer, "activation_checkpointing_enable"):  # its name since transformers 5.x
-                transformer.activation_checkpointing_enable(activation_checkpointing_kwargs=no_reentrant)
+                transformer.activation_checkpointing_enable(
+                    activation_checkpointing_kwargs={"use_reentrant": False}
+                )
             else:
-                transformer.gradient_checkpointing_enable(gradient_checkpointing_kwargs=no_reentrant)
+                transformer.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False}
+                )
     return model
 
 
@@ -502,14 +508,11 @@ def role_prompts(model, query_prompt=None, document_prompt=None):
 
     def declared(*names):
         name = next((name for name in names if name in model.prompts), model.default_prompt_name)
-        return model.prompts.get(name) or None if name else None
+        return model.prompts.get(name) if name else None
 
-    return {
-        "query": declared("query") if query_prompt is None else query_prompt or None,
-        "document": declared("document", "passage", "corpus")
-        if document_prompt is None
-        else document_prompt or None,
-    }
+    query = declared("query") if query_prompt is None else query_prompt
+    document = declared("document", "passage", "corpus") if document_prompt is None else document_prompt
+    return {"query": query or None, "document": document or None}  # "" is no prompt
 
 
 def role_task(column):
