@@ -212,7 +212,7 @@ def fail(message):
 
 def parse_columns(spec):
     """'anchor=q,positive=a,negatives=n1+n2' -> {"anchor": "q", "positive": "a", "negatives": ["n1", "n2"]};
-    'negatives=' -> no negatives; a role left out is found by its usual names (`default_fields`)."""
+    'negatives=' -> no negatives; a role left out is found by its usual names (DEFAULT_FIELDS)."""
     mapping = {"anchor": None, "positive": None, "negatives": None}
     for item in filter(None, spec.split(",")):
         role, _, fields = (part.strip() for part in item.partition("="))
