@@ -135,7 +135,11 @@ def tokenize_per_chunk(tokenize):
     """
 
     def select(texts, index):
-        return tokenize([texts[i] for i in index.tolist()])
+        features = tokenize([texts[i] for i in index.tolist()])
+        # A plain dict: DDP looks for the output's tensors in dicts only, and a sentence-transformers model
+        # returns its input (a tokenizer's BatchEncoding) with its outputs added. Unseen, they would leave
+        # every parameter "unused" (find_unused_parameters) and then "marked ready twice".
+        return dict(features) if isinstance(features, Mapping) else features
 
     return select
 

@@ -360,10 +360,7 @@ def tokenize(model, texts, padding=True):
     """Texts -> the model's input: the one place where texts become tokens. Padded to the longest text, or
     unpadded (lists of token ids, for counting); truncated to the model's max_seq_length either way."""
     if padding:
-        # A plain dict: DDP looks for the output's tensors in dicts only, and sentence-transformers returns
-        # its input (here a tokenizer's BatchEncoding) with the outputs added. Unseen, they would leave every
-        # parameter "unused" under find_unused_parameters, and its gradient "ready twice".
-        return dict(model.preprocess(texts))
+        return model.preprocess(texts)
     unpadded = {"text": {"padding": False}, "common": {"return_tensors": None}}
     return model.preprocess(texts, processing_kwargs=unpadded)
 
