@@ -156,7 +156,7 @@ def plan_chunks(column, chunk_size=None, sort_by_length=True, *, chunk_tokens=No
     chunk of its own.
     """
     if (chunk_size is None) == (chunk_tokens is None):
-        raise ValueError("pass chunk_size (examples per chunk) or chunk_tokens (padded tokens), not both.")
+        raise ValueError("pass one of chunk_size (examples per chunk) and chunk_tokens (padded tokens).")
     batch_size = batch_size_of(column)
     mask = column.get("attention_mask") if isinstance(column, Mapping) else None
     if lengths is None and isinstance(mask, torch.Tensor):

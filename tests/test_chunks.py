@@ -108,6 +108,9 @@ def test_chunk_arguments_are_checked():
     column = {"input_ids": torch.ones(4, 3, dtype=torch.long), "attention_mask": torch.ones(4, 3)}
     with pytest.raises(ValueError, match="chunk_size or chunk_tokens, not both"):
         gradcache.gradcache_step(TinyEncoder(0.0), [column, column], chunk_size=2, chunk_tokens=8)
+    for both_or_neither in ({}, {"chunk_size": 2, "chunk_tokens": 8}):
+        with pytest.raises(ValueError, match="pass one of chunk_size"):
+            gradcache.plan_chunks(column, **both_or_neither)
     with pytest.raises(ValueError, match="chunk_tokens must be a positive int"):
         gradcache.gradcache_step(TinyEncoder(0.0), [column, column], chunk_tokens=0)
     with pytest.raises(ValueError, match="chunk_tokens needs each example's length: pass lengths="):
