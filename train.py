@@ -2,7 +2,8 @@
 
 In-batch negatives: every anchor is scored against every positive and hard negative of its batch, so a
 bigger batch gives more (and harder) negatives. Gradient Cache (gradcache.py) computes the exact
-gradient of a batch of any size while holding the activations of one `--chunk_size` chunk at a time.
+gradient of a batch of any size while holding the activations of one chunk at a time: `--chunk_size`
+examples, or as many as fit in `--chunk_tokens` padded tokens. Texts are tokenized chunk by chunk.
 
 Devices, process count, precision and DeepSpeed come from the accelerate config, never from this script:
 
@@ -127,7 +128,8 @@ add("--max_train_examples", type=int, default=None, help="a seeded subset; defau
 add("--dev_queries", type=int, default=500, help="dev anchors used as queries; the corpus: all dev positives")
 # Batches
 add("--batch_size", type=int, default=128, help="contrastive batch per process")
-add("--chunk_size", type=int, default=32, help="Gradient Cache chunk: examples per forward and backward")
+add("--chunk_size", type=int, help="Gradient Cache chunk: examples per forward and backward (32)")
+add("--chunk_tokens", type=int, default=None, help="or chunks of as many examples as fit in N padded tokens")
 add("--gradient_accumulation_steps", type=int, default=1, help="batches per optimizer step")
 add("--auto_chunk_size", action="store_true", help="on out-of-memory, halve the chunk and redo the step")
 add("--cross_process_negatives", action="store_true", help="contrast with the batches of all processes")
@@ -177,10 +179,17 @@ def parse_args(argv=None):
     args.max_train_examples = (
         (1024 if bundled else 0) if args.max_train_examples is None else args.max_train_examples
     )
-    for name in ("batch_size", "chunk_size", "gradient_accumulation_steps", "epochs"):
-        if getattr(args, name) < 1:
+    if args.chunk_size is not None and args.chunk_tokens is not None:
+        parser.error(
+            "--chunk_size and --chunk_tokens both given: a chunk is counted in examples or in padded tokens. "
+            "Keep one (--chunk_tokens keeps memory flat when text lengths vary)."
+        )
+    if args.chunk_tokens is None and args.chunk_size is None:
+        args.chunk_size = 32
+    for name in ("batch_size", "chunk_size", "chunk_tokens", "gradient_accumulation_steps", "epochs"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}.")
-    if args.chunk_size > args.batch_size:
+    if args.chunk_size is not None and args.chunk_size > args.batch_size:
         parser.error(
             f"--chunk_size {args.chunk_size} is larger than --batch_size {args.batch_size}: a chunk is part "
             "of a batch. Lower --chunk_size (or set it to --batch_size to switch chunking off)."
@@ -571,13 +580,6 @@ def role_task(column):
     return "query" if column == "anchor" else "document"
 
 
-def preprocess(model, column, texts, prompts):
-    """Features of a column's texts, the role's prompt prepended by sentence-transformers, which also
-    records its length for a Pooling with include_prompt=False."""
-    task = role_task(column)
-    return model.preprocess(texts, prompt=prompts[task], task=task)
-
-
 def column_encoders(engine, model, columns):
     """The engine, or for a Router model one callable per task: gradcache then back-propagates a chunk of
     every column together, so every backward reaches both towers (under ZeRO-3 it must, see gradcache)."""
@@ -585,6 +587,31 @@ def column_encoders(engine, model, columns):
         return engine
     towers = {task: functools.partial(engine, task=task) for task in ("query", "document")}
     return [towers[role_task(column)] for column in columns]
+
+
+def tokenize(model, texts, column, prompts, padding=True):
+    """A column's texts -> the model's input: the one place where texts become tokens. Sentence-transformers
+    prepends the role's prompt (and records its length, for a Pooling with include_prompt=False), and a
+    Router model routes by the task. Padded to the longest text, or unpadded (lists of token ids, for
+    counting); truncated to the model's max_seq_length either way."""
+    task = role_task(column)
+    unpadded = {"processing_kwargs": {"text": {"padding": False}, "common": {"return_tensors": None}}}
+    return model.preprocess(texts, prompt=prompts[task], task=task, **({} if padding else unpadded))
+
+
+def token_lengths(model, texts, column, prompts):
+    """Tokens per text as the model receives them: orders the chunks and counts their padded tokens."""
+    unpadded = tokenize(model, texts, column, prompts, padding=False)
+    return torch.tensor([len(ids) for ids in unpadded["input_ids"]])
+
+
+def chunk_selects(model, columns, prompts, device):
+    """gradcache's `select` for each column: its texts tokenized chunk by chunk, with the role's prompt."""
+
+    def tokenizer_of(column):
+        return lambda texts: send_to_device(tokenize(model, texts, column, prompts), device)
+
+    return [gradcache.tokenize_per_chunk(tokenizer_of(column)) for column in columns]
 
 
 def find_checkpoint(spec, checkpoints_dir):
@@ -663,19 +690,27 @@ def memory_metrics(device):
     return metrics
 
 
-def smaller_chunk(error, chunk_size, args, accelerator):
-    """Half the chunk with --auto_chunk_size; otherwise stop, saying which chunk size to launch with."""
-    if chunk_size == 1:
+def chunk_arguments(args):
+    """The chunking of gradcache_step: {"chunk_size": examples} or {"chunk_tokens": padded tokens}."""
+    return {"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {"chunk_size": args.chunk_size}
+
+
+def smaller_chunk(error, chunking, args, accelerator):
+    """Half the chunk (--chunk_size or --chunk_tokens, whichever is in use) with --auto_chunk_size; otherwise
+    stop, saying what to launch with. A budget of one token holds one example per chunk, as a size of 1."""
+    ((name, value),) = chunking.items()
+    if value == 1:
         fail(f"{error} Even one example per chunk does not fit: lower --max_seq_length, or offload (ZeRO-3).")
     if not args.auto_chunk_size:
-        fail(f"{error} Relaunch with that --chunk_size, or add --auto_chunk_size to halve it on the fly.")
+        fail(f"{error} Relaunch with --{name} {value // 2}, or add --auto_chunk_size to halve it on the fly.")
     # ZeRO-2/3 reduce every backward into buffers that zero_grad does not clear: a redo could count twice.
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         fail(
-            f"{error} --auto_chunk_size cannot redo a step under DeepSpeed: relaunch with that --chunk_size."
+            f"{error} --auto_chunk_size cannot redo a step under DeepSpeed: relaunch with --{name} "
+            f"{value // 2}."
         )
-    accelerator.print(f"out of memory with chunks of {chunk_size}: redoing the batch with {chunk_size // 2}")
-    return chunk_size // 2
+    accelerator.print(f"out of memory with --{name} {value}: redoing the batch with {value // 2}")
+    return {name: value // 2}
 
 
 def free_device_memory(device):
@@ -748,7 +783,7 @@ def main(args):
         "processes": processes,
         "effective_batch_size": args.batch_size * processes * args.gradient_accumulation_steps,
         "negatives_per_example": contrasted * (len(train_data.column_names) - 1) - 1,
-        "chunks_per_column": math.ceil(args.batch_size / args.chunk_size),
+        "chunks_per_column": math.ceil(args.batch_size / args.chunk_size) if args.chunk_size else "by tokens",
         "train_examples": len(train_data),
         "skipped_records": skipped_records,
         "steps_per_epoch": steps_per_epoch,
@@ -775,6 +810,7 @@ def main(args):
         matryoshka_weights=args.matryoshka_weights,
     )
     sync_context = gradcache.accelerate_sync_context(accelerator, engine)
+    selects = chunk_selects(model, train_data.column_names, prompts, accelerator.device)
     wandb_kwargs = {"name": args.run_name, "mode": args.wandb_mode, "dir": str(output_dir)}
     accelerator.init_trackers(args.wandb_project, config, init_kwargs={"wandb": wandb_kwargs})
     # wandb drops a step below its own counter: plot by our field instead
@@ -806,15 +842,15 @@ def main(args):
     engine.train()
     progress = tqdm(total=total_steps, initial=global_step, disable=not accelerator.is_main_process)
     window_loss, window_batches, window_steps, window_seconds = 0.0, 0, 0, 0.0  # since the last log
-    chunk_size, nonfinite, consecutive_nonfinite = args.chunk_size, False, 0
+    chunking, nonfinite, consecutive_nonfinite = chunk_arguments(args), False, 0
     while global_step < total_steps:
         loader.set_epoch(epoch)  # the sampler's order, and accelerate's count of iterations
         for batch in accelerator.skip_first_batches(loader, batches_done) if batches_done else loader:
             batch_start = time.perf_counter()
             with accelerator.accumulate(engine):
-                columns = [
-                    send_to_device(preprocess(model, c, batch[c], prompts), accelerator.device) for c in batch
-                ]
+                # Texts, tokenized chunk by chunk as they are encoded (select): never padded as a batch.
+                columns = [batch[c] for c in batch]
+                lengths = [token_lengths(model, batch[c], c, prompts) for c in batch]
                 report = None
                 while report is None:  # a second time only after an out-of-memory, with a smaller chunk
                     try:
@@ -822,13 +858,15 @@ def main(args):
                             column_encoders(engine, model, batch),
                             columns,
                             loss_fn,
-                            chunk_size,
+                            **chunking,
+                            lengths=lengths,
+                            select=selects,
                             backward=accelerator.backward,
                             sync_context=sync_context,
                             cross_process_negatives=args.cross_process_negatives,
                         )
                     except gradcache.ChunkOutOfMemory as err:  # every process raises it together
-                        chunk_size = smaller_chunk(err, chunk_size, args, accelerator)
+                        chunking = smaller_chunk(err, chunking, args, accelerator)
                     if report is None:  # the error, and the step it pinned, are gone: release the memory
                         optimizer.zero_grad()
                         free_device_memory(accelerator.device)
@@ -881,7 +919,7 @@ def main(args):
                     "train/learning_rate": learning_rate,
                     "train/grad_norm": float("nan") if grad_norm is None else float(grad_norm),
                     "train/effective_batch_size": derived["effective_batch_size"],
-                    "train/chunk_size": chunk_size,
+                    **{f"train/{name}": value for name, value in chunking.items()},
                     "train/examples_per_second": examples_per_second,
                     "train/skipped_steps": skipped_steps,
                     "train/nonfinite_steps": nonfinite_steps,
