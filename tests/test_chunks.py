@@ -123,6 +123,10 @@ def test_chunk_arguments_are_checked():
 
 # ---- exact on a sentence-transformers model ----
 
+ROLES = ("anchor", "positive", "negative_1")
+NO_PROMPTS = {"query": None, "document": None}
+PROMPTS = {"query": "w1 w2", "document": "w3"}  # words of the tiny vocabulary
+
 
 def test_chunk_tokens_on_text_columns_is_exact_against_the_full_batch(tiny_model_folders):
     model = load(tiny_model_folders[0])
@@ -131,8 +135,11 @@ def test_chunk_tokens_on_text_columns_is_exact_against_the_full_batch(tiny_model
     budget = 60
 
     counted = PaddedSizes(model)
-    select = gradcache.tokenize_per_chunk(lambda texts: train.tokenize(model, texts))
-    lengths = [train.token_lengths(model, texts) for texts in columns]
+    select = train.chunk_selects(model, ROLES, NO_PROMPTS, "cpu")
+    lengths = [
+        train.token_lengths(model, texts, role, NO_PROMPTS)
+        for texts, role in zip(columns, ROLES, strict=True)
+    ]
     report = gradcache.gradcache_step(counted, columns, chunk_tokens=budget, lengths=lengths, select=select)
     ref_loss = gradcache.contrastive_loss(
         *[reference(reference.preprocess(texts))["sentence_embedding"] for texts in columns]
@@ -151,14 +158,20 @@ def test_tokenizing_per_chunk_gives_the_gradients_of_tokenizing_the_batch(tiny_m
     model.max_seq_length = 12  # some texts are truncated: lengths must count what the model receives
     per_chunk, whole = model, copy.deepcopy(model)
     columns = [random_texts(20, seed) for seed in range(10, 13)]
-    features = [whole.preprocess(texts) for texts in columns]
-    lengths = [train.token_lengths(per_chunk, texts) for texts in columns]
+    # Prompts too: sentence-transformers prepends them, and the lengths must count them.
+    features = [
+        train.tokenize(whole, texts, role, PROMPTS) for texts, role in zip(columns, ROLES, strict=True)
+    ]
+    lengths = [
+        train.token_lengths(per_chunk, texts, role, PROMPTS)
+        for texts, role in zip(columns, ROLES, strict=True)
+    ]
     for column_lengths, column in zip(lengths, features, strict=True):
         assert torch.equal(column_lengths, column["attention_mask"].sum(1))
     assert max(int(column_lengths.max()) for column_lengths in lengths) == 12
 
-    select = gradcache.tokenize_per_chunk(lambda texts: train.tokenize(per_chunk, texts))
-    assert type(select(columns[0], torch.arange(3))) is dict  # DDP finds output tensors in dicts only
+    select = train.chunk_selects(per_chunk, ROLES, PROMPTS, "cpu")
+    assert type(select[0](columns[0], torch.arange(3))) is dict  # DDP finds output tensors in dicts only
     torch.manual_seed(1)
     report = gradcache.gradcache_step(per_chunk, columns, chunk_tokens=40, lengths=lengths, select=select)
     torch.manual_seed(1)
