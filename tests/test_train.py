@@ -69,14 +69,14 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def launch(config, output_dir, *args, processes=1, env=None, check=True):
+def launch(config, output_dir, *args, processes=1, env=None, check=True, timeout=600):
     """`accelerate launch --config_file <config> train.py ...`; returns the finished process."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     command += ["--num_processes", str(processes), "--main_process_port", str(free_port())]
     command += [str(REPO / "train.py"), "--output_dir", str(output_dir), *map(str, args)]
     environment = os.environ | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(max(1, 2 // processes))}
     done = subprocess.run(
-        command, cwd=REPO, env=environment | (env or {}), capture_output=True, text=True, timeout=600
+        command, cwd=REPO, env=environment | (env or {}), capture_output=True, text=True, timeout=timeout
     )
     if check:
         assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
@@ -114,9 +114,11 @@ BACKEND_ARGS += ("--wandb_mode", "disabled")
 
 @pytest.fixture(scope="module")
 def reference_runs(tmp_path_factory, data, model_without_dropout):
-    """Uninterrupted plain runs, one process on cpu.yaml and two DDP processes on cpu_ddp_2proc.yaml."""
+    """Uninterrupted plain runs, one process on cpu.yaml and two DDP processes on cpu_ddp_2proc.yaml, with a
+    checkpoint at step 2 to resume from."""
     folder = tmp_path_factory.mktemp("reference")
     common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS)
+    common += ("--save_steps", 2)
     launch(CONFIGS / "cpu.yaml", folder / "one", *common)
     two = {"ACCELERATE_USE_CPU": "true"}  # see the comment in cpu_ddp_2proc.yaml
     launch(CONFIGS / "cpu_ddp_2proc.yaml", folder / "two", *common, processes=2, env=two)
@@ -171,6 +173,35 @@ def test_end_to_end_run_logs_saves_and_resumes_exactly(tmp_path, data, model_wit
     assert all(torch.equal(final[name], resumed_final[name]) for name in final)
 
 
+def test_two_processes_resume_bit_for_bit_with_logs_evaluation_and_checkpoints_off(
+    tmp_path, data, model_without_dropout, reference_runs
+):
+    """0 turns --eval_steps, --log_steps and --save_steps off (a crash at step 3 before)."""
+    common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS)
+    off = ("--eval_steps", 0, "--log_steps", 0, "--save_steps", 0)
+    step_2 = reference_runs[2] / "checkpoints" / "step_2"
+    two = {"ACCELERATE_USE_CPU": "true"}
+    done = launch(
+        CONFIGS / "cpu_ddp_2proc.yaml", tmp_path, *common, *off, "--resume_from_checkpoint", step_2,
+        processes=2, env=two,
+    )  # fmt: skip
+    assert "resumed from" in done.stdout
+    resumed, reference = weights(tmp_path / "final"), weights(reference_runs[2] / "final")
+    assert all(torch.equal(resumed[name], reference[name]) for name in reference)
+    assert not (tmp_path / "checkpoints").exists()
+    assert not [tag for tag in logged_scalars(tmp_path) if tag.startswith(("train/", "eval/"))]
+
+
+def test_resume_with_another_learning_rate_uses_it(tmp_path, data, model_without_dropout, reference_runs):
+    common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS)
+    step_2 = reference_runs[1] / "checkpoints" / "step_2"
+    done = launch(CONFIGS / "cpu.yaml", tmp_path, *common, "--lr", 5e-4, "--resume_from_checkpoint", step_2)
+    assert "--lr 0.0005 replaces the checkpoint's 0.001" in done.stdout
+    (reference_step_3,) = [v for s, v in logged_scalars(reference_runs[1])["train/learning_rate"] if s == 3]
+    assert logged_scalars(tmp_path)["train/learning_rate"] == [(3, pytest.approx(reference_step_3 / 2))]
+    assert max_difference(weights(tmp_path / "final"), weights(reference_runs[1] / "final")) > TOLERANCE
+
+
 def test_chunked_and_unchunked_runs_reach_the_same_weights(
     tmp_path, data, model_without_dropout, reference_runs
 ):
@@ -219,7 +250,10 @@ def test_deepspeed_reproduces_the_plain_run(
     tmp_path, data, model_without_dropout, reference_runs, config, processes
 ):
     common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS)
-    done = launch_deepspeed(CONFIGS / config, tmp_path, *common, processes=processes)
+    resume_too = (config, processes) == ("deepspeed_zero2.yaml", 2)  # and resume from step 2, bit for bit
+    done = launch_deepspeed(
+        CONFIGS / config, tmp_path, *common, *(("--save_steps", 2) if resume_too else ()), processes=processes
+    )
     assert "DistributedType.DEEPSPEED" in done.stdout and f"processes: {processes}" in done.stdout
     saved = weights(tmp_path / "final")
     difference = max_difference(saved, weights(reference_runs[processes] / "final"))
@@ -232,6 +266,13 @@ def test_deepspeed_reproduces_the_plain_run(
         assert [value for _, value in logged[tag]] == pytest.approx(
             [value for _, value in reference[tag]], rel=1e-4
         )
+    if resume_too:
+        step_2 = tmp_path / "checkpoints" / "step_2"
+        launch_deepspeed(
+            CONFIGS / config, tmp_path / "resumed", *common, "--resume_from_checkpoint", step_2, processes=2
+        )
+        resumed = weights(tmp_path / "resumed" / "final")
+        assert all(torch.equal(resumed[name], saved[name]) for name in saved)
 
 
 def test_zero3_saves_partitioned_weights_whole(tmp_path, data, model_without_dropout, reference_runs):
@@ -253,6 +294,11 @@ def test_zero3_saves_partitioned_weights_whole(tmp_path, data, model_without_dro
     saved = weights(tmp_path / "run" / "final")
     assert max_difference(saved, engine_weights(tmp_path / "run" / "checkpoints" / "step_3")) == 0
     assert max_difference(saved, weights(reference_runs[2] / "final")) < TOLERANCE
+    # The file itself, as a tool reading it by name sees it: the names of the plain run (not gamma/beta).
+    saved_file, plain_file = (
+        load_file(run / "final" / "model.safetensors") for run in (tmp_path / "run", reference_runs[2])
+    )
+    assert max_difference(saved_file, plain_file) < TOLERANCE
 
 
 def test_bf16_run_trains(tmp_path, data, model_without_dropout):
