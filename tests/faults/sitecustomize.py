@@ -18,7 +18,8 @@ this module at start-up. Without a GRADCACHE_FAULT_* variable it does nothing.
 Not a fault but a stand-in, on every process:
   GRADCACHE_FP16_SCALER=<initial scale>            accelerate's real fp16 path on a CPU: float16 autocast and
                                                    torch.amp.GradScaler("cpu") starting at this scale, where
-                                                   accelerate itself would train in fp32
+                                                   accelerate itself would train in fp32; on a GPU,
+                                                   accelerate's own GradScaler, starting at this scale
 """
 
 import os
@@ -64,15 +65,21 @@ def install_kill(point, nth):
     os.replace = killing_replace
 
 
-def install_cpu_fp16_scaler(initial_scale):
-    """After accelerate's own set-up: what it does for fp16 on a GPU (accelerator.py, "Mixed precision
-    attributes"), with torch's CPU GradScaler."""
+def install_fp16_scaler(initial_scale):
+    """On a GPU, accelerate's GradScaler with this initial scale. On a CPU, after accelerate's own set-up,
+    what it does for fp16 on a GPU (accelerator.py, "Mixed precision attributes") with torch's CPU scaler."""
     import accelerate
     import torch
 
     setup = accelerate.Accelerator.__init__
 
     def fp16_setup(self, *args, **kwargs):
+        if torch.cuda.is_available():
+            handlers = [
+                *kwargs.pop("kwargs_handlers", []),
+                accelerate.GradScalerKwargs(init_scale=initial_scale),
+            ]
+            return setup(self, *args, **kwargs, kwargs_handlers=handlers)
         setup(self, *args, **kwargs | {"mixed_precision": "fp16"})
         self.native_amp = True
         self.scaler = torch.amp.GradScaler("cpu", init_scale=initial_scale)
@@ -124,7 +131,7 @@ def install_step_faults():
 
 
 if "GRADCACHE_FP16_SCALER" in os.environ:
-    install_cpu_fp16_scaler(float(os.environ["GRADCACHE_FP16_SCALER"]))
+    install_fp16_scaler(float(os.environ["GRADCACHE_FP16_SCALER"]))
 if FAULTS and this_rank_is_faulty():
     if "GRADCACHE_FAULT_KILL" in FAULTS:
         point, nth = FAULTS["GRADCACHE_FAULT_KILL"].split(":")
