@@ -29,6 +29,7 @@ directory), tensorboard/ and wandb/ (offline unless --wandb_mode online).
 """
 
 import argparse
+import dataclasses
 import functools
 import gzip
 import itertools
@@ -58,7 +59,6 @@ import gradcache
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_TRAIN, DEFAULT_DEV = str(DATA_DIR / "wordnet_train.jsonl.gz"), str(DATA_DIR / "wordnet_dev.jsonl.gz")
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-TRAINER_STATE_KEYS = ("global_step", "epoch", "batches_done", "skipped_steps", "nonfinite_steps")
 # A checkpoint written with other values of these would resume at another data position.
 MAP_YOURS = "Map yours with --columns, e.g. --columns anchor=question,positive=answer,negatives=neg1+neg2"
 RESUME_KEYS = ("data", "columns", "max_train_examples", "batch_size", "gradient_accumulation_steps", "seed")
@@ -500,8 +500,23 @@ def set_peak_learning_rate(scheduler, learning_rate):
     scheduler.step()  # recomputes every group's rate from base_lrs, at the same point of the schedule
 
 
-def main(args):
-    output_dir, checkpoints_dir = Path(args.output_dir), Path(args.output_dir) / "checkpoints"
+# ---------------------------------------------------------------------------------------------------------
+# The parts of main(): setup, what one optimizer step decided, logging, the end
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Progress:
+    """Where the run stands: saved in every checkpoint's trainer_state.json, restored on resume."""
+
+    global_step: int = 0
+    epoch: int = 0
+    batches_done: int = 0  # in this epoch
+    skipped_steps: int = 0  # steps without an update: a non-finite loss or gradient, or an fp16 overflow
+    nonfinite_steps: int = 0
+
+
+def make_accelerator(args, output_dir):
     # DeepSpeed clips by its JSON, where "auto" becomes this variable (accelerate's DeepSpeedPlugin).
     os.environ.setdefault("ACCELERATE_GRADIENT_CLIPPING", str(args.max_grad_norm))
     launched_distributed = "LOCAL_RANK" in os.environ  # set by torchrun and the DeepSpeed launcher
@@ -522,17 +537,17 @@ def main(args):
             DistributedDataParallelKwargs(find_unused_parameters=True),  # the BERT pooler gets no gradient
         ],
     )
-    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-    if deepspeed and args.gradient_accumulation_steps > 1:
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and args.gradient_accumulation_steps > 1:
         fail(
             "--gradient_accumulation_steps > 1 under DeepSpeed: a skipped batch could not take back the "
             "earlier batches of its window, which ZeRO holds in its own buffers. Raise --batch_size "
             "instead: with Gradient Cache a bigger batch costs no more memory."
         )
-    resume = args.resume_from_checkpoint and resume_checkpoint(
-        args.resume_from_checkpoint, checkpoints_dir, accelerator
-    )
-    set_seed(args.seed)
+    return accelerator
+
+
+def load_data(args, accelerator):
+    """(training pairs, dev pairs or None, bad records skipped)."""
     mapping = parse_columns(args.columns)
     with accelerator.main_process_first():  # the first process fills datasets' cache, the others read it
         checks = (args.skip_bad_records, args.max_text_chars)
@@ -540,30 +555,29 @@ def main(args):
         dev_data = load_pairs(args.dev_data, mapping, *checks)[0] if args.dev_data else None
     if 0 < args.max_train_examples < len(train_data):
         train_data = train_data.shuffle(seed=args.seed).select(range(args.max_train_examples))
-    model = load_model(args.model, str(accelerator.device))  # after the Accelerator: ZeRO-3 loads partitioned
-    model.max_seq_length = args.max_seq_length or model.max_seq_length
-    gradcache.check_examples_independent(model)
-    evaluator = build_evaluator(dev_data, args.dev_queries) if dev_data and args.eval_steps else None
+    return train_data, dev_data, skipped_records
+
+
+def make_loader(train_data, args):
     sampler = NoDuplicatesOrder(train_data, args.batch_size, args.seed)
     # Its own generator: by default every new iterator draws a seed from the global RNG, so a resumed run
     # (one iterator more) would draw other dropout masks than an uninterrupted one.
-    loader = torch.utils.data.DataLoader(
+    return torch.utils.data.DataLoader(
         train_data, args.batch_size, sampler=sampler, drop_last=True, generator=torch.Generator()
     )
-    adamw = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    engine, optimizer, loader = accelerator.prepare(model, adamw, loader)
+
+
+def derive_numbers(args, accelerator, loader, train_data, skipped_records):
+    """The numbers a run is read by, printed and logged once."""
     if len(loader) == 0:
         fail(
             f"{len(train_data)} examples make no batch of {args.batch_size} distinct texts for each of "
             f"{accelerator.num_processes} processes. Lower --batch_size or add data."
         )
-
-    # Derived numbers, printed and logged once.
     steps_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
-    total_steps = args.max_steps or steps_per_epoch * args.epochs
     processes = accelerator.num_processes
     contrasted = args.batch_size * (processes if args.cross_process_negatives else 1)
-    derived = {
+    return {
         "processes": processes,
         "effective_batch_size": args.batch_size * processes * args.gradient_accumulation_steps,
         "negatives_per_example": contrasted * (len(train_data.column_names) - 1) - 1,
@@ -571,14 +585,145 @@ def main(args):
         "train_examples": len(train_data),
         "skipped_records": skipped_records,
         "steps_per_epoch": steps_per_epoch,
-        "total_steps": total_steps,
+        "total_steps": args.max_steps or steps_per_epoch * args.epochs,
         "mixed_precision": accelerator.mixed_precision,
         "distributed_type": str(accelerator.distributed_type),
     }
+
+
+def start_tracking(accelerator, args, derived, output_dir):
+    """Print the whole configuration and send it to wandb and TensorBoard."""
     config = {
         k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in (vars(args) | derived).items()
     }
     accelerator.print("\n".join(f"{name:>28}: {value}" for name, value in config.items()))
+    wandb_kwargs = {"name": args.run_name, "mode": args.wandb_mode, "dir": str(output_dir)}
+    accelerator.init_trackers(args.wandb_project, config, init_kwargs={"wandb": wandb_kwargs})
+    if accelerator.is_main_process:  # wandb drops a step below its own counter: plot by our field instead
+        accelerator.get_tracker("wandb", unwrap=True).define_metric("*", step_metric="train/global_step")
+
+
+def resume_training(accelerator, checkpoint, args, scheduler, processes):
+    """Restore model, optimizer, scheduler and RNG states from `checkpoint`; its Progress."""
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    changed = [f"--{k} {state['args'][k]}" for k in RESUME_KEYS if state["args"][k] != getattr(args, k)]
+    if changed or state["processes"] != processes:
+        written = ", ".join(changed or [f"{state['processes']} processes"])
+        fail(
+            f"{checkpoint} was written with {written}: the data order would not continue. Launch with the "
+            "checkpoint's values, or start a new --output_dir."
+        )
+    accelerator.load_state(str(checkpoint))
+    progress = Progress(**{field.name: state[field.name] for field in dataclasses.fields(Progress)})
+    accelerator.print(
+        f"resumed from {checkpoint}: step {progress.global_step}, epoch {progress.epoch}, "
+        f"batch {progress.batches_done}"
+    )
+    if args.lr != state["args"]["lr"]:
+        set_peak_learning_rate(scheduler, args.lr)
+        accelerator.print(f"--lr {args.lr} replaces the checkpoint's {state['args']['lr']} from here on")
+    return progress
+
+
+def clip_and_step(accelerator, engine, optimizer, max_grad_norm, loss_scaled, step):
+    """At the end of an accumulation window: (non-finite, fp16 overflow, gradient norm).
+
+    Without a loss scale, a gradient norm that is not finite (taken after DDP's all-reduce, so every process
+    decides alike) means no optimizer step. With one it is an overflow, which the scaler skips itself: its
+    step() and update() always run. Under DeepSpeed the step already happened inside the last backward,
+    and only its norm and its own skip are read here.
+    """
+    grad_norm = accelerator.clip_grad_norm_(engine.parameters(), max_grad_norm)
+    infinite = grad_norm is not None and not math.isfinite(grad_norm)
+    nonfinite = infinite and not loss_scaled
+    if not nonfinite:
+        optimizer.step()
+    skipped_by_backend = accelerator.optimizer_step_was_skipped
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and infinite and not skipped_by_backend:
+        fail(
+            f"DeepSpeed applied step {step} with a gradient norm of {grad_norm}: the weights are no longer "
+            "finite. Resume from the last checkpoint with a lower --lr."
+        )
+    return nonfinite, loss_scaled and skipped_by_backend, grad_norm
+
+
+def count_skipped_step(progress, nonfinite, overflow, accelerator, engine):
+    """Count and print a step without an update; True if it was one."""
+    progress.nonfinite_steps += nonfinite
+    progress.skipped_steps += nonfinite or overflow
+    if nonfinite:
+        accelerator.print(f"step {progress.global_step + 1}: loss or gradient not finite, update skipped")
+    if overflow:  # normal in the first steps of fp16 training, never a bad step
+        scale = loss_scale(accelerator, engine)
+        accelerator.print(
+            f"step {progress.global_step + 1}: fp16 overflow, update skipped; loss scale now {scale}"
+        )
+    return nonfinite or overflow
+
+
+def stop_after_bad_steps(consecutive_nonfinite, step, checkpoints_dir):
+    last_good = find_checkpoint("latest", checkpoints_dir)
+    fail(
+        f"{consecutive_nonfinite} steps in a row (through step {step}) had a loss or gradient that is not "
+        "finite; none of them changed the weights. The last checkpoint is "
+        f"{last_good or 'none: no checkpoint was written yet'}. Resume from it (--resume_from_checkpoint "
+        "latest) with a lower --lr, or check the data of these steps."
+    )
+
+
+@dataclasses.dataclass
+class LogWindow:
+    """What happened since the last log: its means become the logged training metrics."""
+
+    loss: float = 0.0
+    batches: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+
+
+def training_metrics(accelerator, engine, progress, window, derived, batches_per_epoch, **values):
+    metrics = {
+        "train/global_step": progress.global_step,
+        "train/epoch": progress.epoch + progress.batches_done / batches_per_epoch,
+        "train/loss": accelerator.reduce(window.loss / window.batches, "mean").item(),
+        "train/effective_batch_size": derived["effective_batch_size"],
+        "train/examples_per_second": window.steps * derived["effective_batch_size"] / window.seconds,
+        "train/skipped_steps": progress.skipped_steps,
+        "train/nonfinite_steps": progress.nonfinite_steps,
+    }
+    metrics |= {f"train/{name}": value for name, value in values.items()} | memory_metrics(accelerator.device)
+    if (scale := loss_scale(accelerator, engine)) is not None:
+        metrics["train/loss_scale"] = float(scale)
+    return metrics
+
+
+def finish(accelerator, model, output_dir, first_eval, last_eval):
+    save_final_model(accelerator, model, output_dir / "final")
+    accelerator.print(f"saved {output_dir / 'final'}: load it with SentenceTransformer(path)")
+    for name in ("eval/dev_cosine_mrr@10", "eval/dev_cosine_ndcg@10", "eval/dev_cosine_recall@10"):
+        if first_eval and last_eval:
+            accelerator.print(f"{name}: {first_eval[name]:.4f} before, {last_eval[name]:.4f} after training")
+    accelerator.end_training()
+
+
+def main(args):
+    # --- Setup ---
+    output_dir, checkpoints_dir = Path(args.output_dir), Path(args.output_dir) / "checkpoints"
+    accelerator = make_accelerator(args, output_dir)
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    resume = args.resume_from_checkpoint and resume_checkpoint(
+        args.resume_from_checkpoint, checkpoints_dir, accelerator
+    )
+    set_seed(args.seed)
+    train_data, dev_data, skipped_records = load_data(args, accelerator)
+    model = load_model(args.model, str(accelerator.device))  # after the Accelerator: ZeRO-3 loads partitioned
+    model.max_seq_length = args.max_seq_length or model.max_seq_length
+    gradcache.check_examples_independent(model)
+    evaluator = build_evaluator(dev_data, args.dev_queries) if dev_data and args.eval_steps else None
+    adamw = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    engine, optimizer, loader = accelerator.prepare(model, adamw, make_loader(train_data, args))
+    derived = derive_numbers(args, accelerator, loader, train_data, skipped_records)
+    total_steps = derived["total_steps"]
     # Not prepared: accelerate steps a prepared scheduler once per process under DDP and hands it to DeepSpeed
     # otherwise; this one steps once per optimizer step everywhere. It writes AdamW's param groups, which
     # DeepSpeed's ZeRO optimizers step in place.
@@ -588,43 +733,28 @@ def main(args):
     sync_context = gradcache.accelerate_sync_context(accelerator, engine)
     # fp16 scales the loss; an overflowing step is then skipped by the scaler (or DeepSpeed) itself.
     loss_scaled = accelerator.scaler is not None or (deepspeed and engine.fp16_enabled())
-    wandb_kwargs = {"name": args.run_name, "mode": args.wandb_mode, "dir": str(output_dir)}
-    accelerator.init_trackers(args.wandb_project, config, init_kwargs={"wandb": wandb_kwargs})
-    if accelerator.is_main_process:  # wandb drops a step below its own counter: plot by our field instead
-        accelerator.get_tracker("wandb", unwrap=True).define_metric("*", step_metric="train/global_step")
-
-    global_step, epoch, batches_done, skipped_steps, nonfinite_steps = 0, 0, 0, 0, 0
+    start_tracking(accelerator, args, derived, output_dir)
+    progress = Progress()
     if resume:
-        state = json.loads((resume / "trainer_state.json").read_text())
-        changed = [f"--{k} {state['args'][k]}" for k in RESUME_KEYS if state["args"][k] != getattr(args, k)]
-        if changed or state["processes"] != processes:
-            written = ", ".join(changed or [f"{state['processes']} processes"])
-            fail(
-                f"{resume} was written with {written}: the data order would not continue. Launch with the "
-                "checkpoint's values, or start a new --output_dir."
-            )
-        accelerator.load_state(str(resume))  # model, optimizer, scheduler, RNG states
-        global_step, epoch, batches_done, skipped_steps, nonfinite_steps = (
-            state[k] for k in TRAINER_STATE_KEYS
-        )
-        accelerator.print(f"resumed from {resume}: step {global_step}, epoch {epoch}, batch {batches_done}")
-        if args.lr != state["args"]["lr"]:
-            set_peak_learning_rate(scheduler, args.lr)
-            accelerator.print(f"--lr {args.lr} replaces the checkpoint's {state['args']['lr']} from here on")
+        progress = resume_training(accelerator, resume, args, scheduler, derived["processes"])
     elif args.resume_from_checkpoint:
         accelerator.print(f"no complete checkpoint in {checkpoints_dir}: starting from scratch")
 
+    # --- The loop: one optimizer step per accumulation window of batches ---
     # Every process evaluates: under ZeRO-3 the forward passes gather parameters collectively.
-    first_eval = last_eval = evaluate(evaluator, model) if evaluator and global_step == 0 else None
+    first_eval = last_eval = evaluate(evaluator, model) if evaluator and progress.global_step == 0 else None
     if first_eval:
         accelerator.log(first_eval | {"train/global_step": 0}, step=0)
     engine.train()
-    progress = tqdm(total=total_steps, initial=global_step, disable=not accelerator.is_main_process)
-    window_loss, window_batches, window_steps, window_seconds = 0.0, 0, 0, 0.0  # since the last log
-    chunk_size, nonfinite, consecutive_nonfinite, grad_norm = args.chunk_size, False, 0, None
-    while global_step < total_steps:
-        loader.set_epoch(epoch)  # the sampler's order, and accelerate's count of iterations
-        for batch in accelerator.skip_first_batches(loader, batches_done) if batches_done else loader:
+    bar = tqdm(total=total_steps, initial=progress.global_step, disable=not accelerator.is_main_process)
+    window, chunk_size, grad_norm = LogWindow(), args.chunk_size, None
+    nonfinite, consecutive_nonfinite = False, 0  # in this accumulation window; bad steps in a row
+    while progress.global_step < total_steps:
+        loader.set_epoch(progress.epoch)  # the sampler's order, and accelerate's count of iterations
+        batches = (
+            accelerator.skip_first_batches(loader, progress.batches_done) if progress.batches_done else loader
+        )
+        for batch in batches:
             batch_start = time.perf_counter()
             with accelerator.accumulate(engine):
                 columns = [send_to_device(model.preprocess(batch[c]), accelerator.device) for c in batch]
@@ -646,100 +776,68 @@ def main(args):
                     if report is None:  # the error, and the step it pinned, are gone: release the memory
                         optimizer.zero_grad()
                         free_device_memory(accelerator.device)
-                # A loss or gradient that is not finite never reaches the weights (gradcache_step skipped
-                # the backward; a norm is taken after DDP's all-reduce): every process decides alike.
+                # A loss or representation gradient that is not finite: gradcache_step back-propagated
+                # nothing, on every process. Never unscale or step what will not be applied.
                 nonfinite, overflow = nonfinite or report.skipped, False
-                if accelerator.sync_gradients and not nonfinite:  # never unscale what will not step
-                    # Under DeepSpeed its norm: it clipped and stepped, or skipped, inside the backward.
-                    grad_norm = accelerator.clip_grad_norm_(engine.parameters(), args.max_grad_norm)
-                    infinite = grad_norm is not None and not math.isfinite(grad_norm)
-                    # With a loss scale an infinite norm is an overflow, which the scaler skips itself.
-                    nonfinite = infinite and not loss_scaled
-                    if not nonfinite:
-                        optimizer.step()  # the scaler's step and update(), even when it skips
-                    overflow = loss_scaled and accelerator.optimizer_step_was_skipped
-                    if deepspeed and infinite and not accelerator.optimizer_step_was_skipped:
-                        fail(
-                            f"DeepSpeed applied step {global_step + 1} with a gradient norm of {grad_norm}: "
-                            "the weights are no longer finite. Resume from the last checkpoint with a lower "
-                            "--lr."
-                        )
+                if accelerator.sync_gradients and not nonfinite:
+                    nonfinite, overflow, grad_norm = clip_and_step(
+                        accelerator,
+                        engine,
+                        optimizer,
+                        args.max_grad_norm,
+                        loss_scaled,
+                        progress.global_step + 1,
+                    )
                 optimizer.zero_grad()
-            batches_done += 1
-            window_loss, window_batches = window_loss + report.loss, window_batches + 1
-            window_seconds += time.perf_counter() - batch_start
+            progress.batches_done += 1
+            window.loss, window.batches = window.loss + report.loss, window.batches + 1
+            window.seconds += time.perf_counter() - batch_start
             if not accelerator.sync_gradients:
                 continue
-            learning_rate = scheduler.get_last_lr()[0]
-            consecutive_nonfinite = consecutive_nonfinite + 1 if nonfinite else 0
-            nonfinite_steps += nonfinite
-            if nonfinite or overflow:  # no update, no schedule
-                skipped_steps += 1
-            else:
-                scheduler.step()
-            if nonfinite:
-                accelerator.print(f"step {global_step + 1}: loss or gradient not finite, update skipped")
-            if overflow:  # normal in the first steps of fp16 training, never a bad step
-                scale = loss_scale(accelerator, engine)
-                accelerator.print(
-                    f"step {global_step + 1}: fp16 overflow, update skipped; loss scale now {scale}"
-                )
-            if consecutive_nonfinite >= args.max_bad_steps:
-                last_good = find_checkpoint("latest", checkpoints_dir)
-                fail(
-                    f"{consecutive_nonfinite} steps in a row (through step {global_step + 1}) had a loss or "
-                    "gradient that is not finite; none of them changed the weights. The last checkpoint is "
-                    f"{last_good or 'none: no checkpoint was written yet'}. Resume from it "
-                    "(--resume_from_checkpoint latest) with a lower --lr, or check the data of these steps."
-                )
-            nonfinite = False
-            global_step, window_steps = global_step + 1, window_steps + 1
-            examples_per_second = window_steps * derived["effective_batch_size"] / window_seconds
-            progress.update()
-            progress.set_postfix(
-                loss=f"{report.loss.item():.4f}", examples_per_s=f"{examples_per_second:.1f}"
-            )
 
-            if args.log_steps and (global_step % args.log_steps == 0 or global_step == total_steps):
-                metrics = {
-                    "train/global_step": global_step,
-                    "train/epoch": epoch + batches_done / len(loader),
-                    "train/loss": accelerator.reduce(window_loss / window_batches, "mean").item(),
-                    "train/learning_rate": learning_rate,
-                    "train/grad_norm": float("nan") if grad_norm is None else float(grad_norm),
-                    "train/effective_batch_size": derived["effective_batch_size"],
-                    "train/chunk_size": chunk_size,
-                    "train/examples_per_second": examples_per_second,
-                    "train/skipped_steps": skipped_steps,
-                    "train/nonfinite_steps": nonfinite_steps,
-                } | memory_metrics(accelerator.device)
-                if (scale := loss_scale(accelerator, engine)) is not None:
-                    metrics["train/loss_scale"] = float(scale)
-                accelerator.log(metrics, step=global_step)
-                window_loss, window_batches, window_steps, window_seconds = 0.0, 0, 0, 0.0
-            if evaluator and (global_step % args.eval_steps == 0 or global_step == total_steps):
+            learning_rate = scheduler.get_last_lr()[0]
+            if not count_skipped_step(progress, nonfinite, overflow, accelerator, engine):
+                scheduler.step()  # no update, no schedule
+            consecutive_nonfinite = consecutive_nonfinite + 1 if nonfinite else 0
+            if consecutive_nonfinite >= args.max_bad_steps:
+                stop_after_bad_steps(consecutive_nonfinite, progress.global_step + 1, checkpoints_dir)
+            nonfinite = False
+            progress.global_step, window.steps = progress.global_step + 1, window.steps + 1
+            bar.update()
+            bar.set_postfix(
+                loss=f"{report.loss.item():.4f}",
+                examples_per_s=f"{window.steps * derived['effective_batch_size'] / window.seconds:.1f}",
+            )
+            last = progress.global_step == total_steps
+
+            if args.log_steps and (progress.global_step % args.log_steps == 0 or last):
+                metrics = training_metrics(
+                    accelerator, engine, progress, window, derived, len(loader),
+                    learning_rate=learning_rate,
+                    grad_norm=float("nan") if grad_norm is None else float(grad_norm),
+                    chunk_size=chunk_size,
+                )  # fmt: skip
+                accelerator.log(metrics, step=progress.global_step)
+                window = LogWindow()
+            if evaluator and (progress.global_step % args.eval_steps == 0 or last):
                 last_eval = evaluate(evaluator, model)
-                accelerator.log(last_eval | {"train/global_step": global_step}, step=global_step)
-                accelerator.print(
-                    f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items())
+                accelerator.log(
+                    last_eval | {"train/global_step": progress.global_step}, step=progress.global_step
                 )
-            if args.save_steps and (global_step % args.save_steps == 0 or global_step == total_steps):
-                values = (global_step, epoch, batches_done, skipped_steps, nonfinite_steps)
-                state = dict(zip(TRAINER_STATE_KEYS, values, strict=True))
-                state |= {"processes": processes, "args": vars(args)}
+                accelerator.print(
+                    f"step {progress.global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items())
+                )
+            if args.save_steps and (progress.global_step % args.save_steps == 0 or last):
+                state = dataclasses.asdict(progress) | {"processes": derived["processes"], "args": vars(args)}
                 save_checkpoint(accelerator, checkpoints_dir, state, args.save_total_limit)
-            if global_step == total_steps:
+            if last:
                 break
         else:
-            epoch, batches_done = epoch + 1, 0
-    progress.close()
+            progress.epoch, progress.batches_done = progress.epoch + 1, 0
+    bar.close()
 
-    save_final_model(accelerator, model, output_dir / "final")
-    accelerator.print(f"saved {output_dir / 'final'}: load it with SentenceTransformer(path)")
-    for name in ("eval/dev_cosine_mrr@10", "eval/dev_cosine_ndcg@10", "eval/dev_cosine_recall@10"):
-        if first_eval and last_eval:
-            accelerator.print(f"{name}: {first_eval[name]:.4f} before, {last_eval[name]:.4f} after training")
-    accelerator.end_training()
+    # --- The end ---
+    finish(accelerator, model, output_dir, first_eval, last_eval)
 
 
 if __name__ == "__main__":
