@@ -192,14 +192,33 @@ def test_two_processes_resume_bit_for_bit_with_logs_evaluation_and_checkpoints_o
     assert not [tag for tag in logged_scalars(tmp_path) if tag.startswith(("train/", "eval/"))]
 
 
-def test_resume_with_another_learning_rate_uses_it(tmp_path, data, model_without_dropout, reference_runs):
-    common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS)
-    step_2 = reference_runs[1] / "checkpoints" / "step_2"
-    done = launch(CONFIGS / "cpu.yaml", tmp_path, *common, "--lr", 5e-4, "--resume_from_checkpoint", step_2)
-    assert "--lr 0.0005 replaces the checkpoint's 0.001" in done.stdout
-    (reference_step_3,) = [v for s, v in logged_scalars(reference_runs[1])["train/learning_rate"] if s == 3]
-    assert logged_scalars(tmp_path)["train/learning_rate"] == [(3, pytest.approx(reference_step_3 / 2))]
-    assert max_difference(weights(tmp_path / "final"), weights(reference_runs[1] / "final")) > TOLERANCE
+def test_resume_with_another_learning_rate_follows_the_new_schedule():
+    """What main() does on resume: load_state restores the checkpoint's rates into the optimizer and the
+    scheduler, then set_peak_learning_rate takes --lr. From there the rates are those of a run that had
+    --lr from the start; without it, the checkpoint's (the bug: --lr did nothing)."""
+    from transformers import get_scheduler
+
+    def optimizer_and_schedule(learning_rate, steps_done):
+        adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=learning_rate)
+        scheduler = get_scheduler("cosine", adamw, num_warmup_steps=2, num_training_steps=10)
+        for _ in range(steps_done):
+            adamw.step()
+            scheduler.step()
+        return adamw, scheduler
+
+    checkpoint = optimizer_and_schedule(1e-3, steps_done=4)
+    adamw, scheduler = optimizer_and_schedule(5e-4, steps_done=0)
+    adamw.load_state_dict(checkpoint[0].state_dict())
+    scheduler.load_state_dict(checkpoint[1].state_dict())
+    assert scheduler.get_last_lr() == checkpoint[1].get_last_lr()
+    train.set_peak_learning_rate(scheduler, 5e-4)
+    reference_adamw, reference = optimizer_and_schedule(5e-4, steps_done=4)
+    for _ in range(6):
+        assert scheduler.get_last_lr() == pytest.approx(reference.get_last_lr(), rel=1e-12)
+        assert adamw.param_groups[0]["lr"] == pytest.approx(reference_adamw.param_groups[0]["lr"], rel=1e-12)
+        for optimizer, schedule in ((adamw, scheduler), (reference_adamw, reference)):
+            optimizer.step()
+            schedule.step()
 
 
 def test_chunked_and_unchunked_runs_reach_the_same_weights(
