@@ -8,6 +8,7 @@ import json
 import math
 import os
 import string
+import threading
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,42 @@ def test_killed_at_a_checkpoint_the_run_resumes_bit_for_bit(
     resumed, reference = weights(tmp_path / "final"), weights(uninterrupted / "final")
     assert all(torch.equal(resumed[name], reference[name]) for name in reference)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_4", "step_6"]
+
+
+class Process:
+    """One process of a two-machine job, as save_checkpoint sees it: wait_for_everyone is a barrier, and
+    save_state writes this process's file (accelerate: the main process the model, each its RNG state)."""
+
+    def __init__(self, rank, barrier):
+        self.rank, self.barrier = rank, barrier
+        self.is_main_process, self.is_local_main_process = rank == 0, True  # one process per machine
+
+    def wait_for_everyone(self):
+        self.barrier.wait(timeout=10)
+
+    def save_state(self, folder):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / f"random_states_{self.rank}.pkl").write_text("state")
+
+
+@pytest.mark.parametrize("shared_file_system", [True, False])
+def test_checkpoints_on_two_machines_are_completed_once_on_each_file_system(tmp_path, shared_file_system):
+    barrier = threading.Barrier(2)
+    folders = [tmp_path / "shared"] * 2 if shared_file_system else [tmp_path / "m0", tmp_path / "m1"]
+    state = {"global_step": 1}
+    machines = [
+        threading.Thread(target=train.save_checkpoint, args=(Process(rank, barrier), folders[rank], state, 0))
+        for rank in (0, 1)
+    ]
+    for machine in machines:
+        machine.start()
+    for machine in machines:
+        machine.join(timeout=30)
+    expected = {"random_states_0.pkl", "random_states_1.pkl"} if shared_file_system else None
+    for rank, folder in enumerate(folders):
+        assert [path.name for path in folder.iterdir()] == ["step_1"]  # no .partial left
+        written = {path.name for path in (folder / "step_1").iterdir()}
+        assert written == (expected or {f"random_states_{rank}.pkl"}) | {"trainer_state.json"}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import gzip
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -176,19 +177,20 @@ def test_end_to_end_run_logs_saves_and_resumes_exactly(tmp_path, data, model_wit
 def test_two_processes_resume_bit_for_bit_with_logs_evaluation_and_checkpoints_off(
     tmp_path, data, model_without_dropout, reference_runs
 ):
-    """0 turns --eval_steps, --log_steps and --save_steps off (a crash at step 3 before)."""
+    """'latest' is found by the main process and sent to the other. 0 turns --eval_steps, --log_steps and
+    --save_steps off (each crashed at step 3 before)."""
     common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS)
     off = ("--eval_steps", 0, "--log_steps", 0, "--save_steps", 0)
-    step_2 = reference_runs[2] / "checkpoints" / "step_2"
+    shutil.copytree(reference_runs[2] / "checkpoints" / "step_2", tmp_path / "checkpoints" / "step_2")
     two = {"ACCELERATE_USE_CPU": "true"}
     done = launch(
-        CONFIGS / "cpu_ddp_2proc.yaml", tmp_path, *common, *off, "--resume_from_checkpoint", step_2,
+        CONFIGS / "cpu_ddp_2proc.yaml", tmp_path, *common, *off, "--resume_from_checkpoint", "latest",
         processes=2, env=two,
     )  # fmt: skip
-    assert "resumed from" in done.stdout
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step_2'}" in done.stdout
     resumed, reference = weights(tmp_path / "final"), weights(reference_runs[2] / "final")
     assert all(torch.equal(resumed[name], reference[name]) for name in reference)
-    assert not (tmp_path / "checkpoints").exists()
+    assert [path.name for path in (tmp_path / "checkpoints").iterdir()] == ["step_2"]
     assert not [tag for tag in logged_scalars(tmp_path) if tag.startswith(("train/", "eval/"))]
 
 
