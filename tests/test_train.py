@@ -374,6 +374,10 @@ def test_argument_errors_say_what_to_do(capsys):
     )
     fails_with(capsys, lambda: train.parse_args(["--columns", "query=q"]), "--columns: cannot read 'query=q'")
     assert train.parse_args(["--batch_size", "8", "--chunk_size", "8"]).chunk_size == 8
+    fails_with(
+        capsys, lambda: train.parse_args(["--save_steps", "-1"]), "--save_steps must be 0 (off) or more"
+    )
+    assert train.parse_args(["--eval_steps", "0", "--log_steps", "0", "--save_steps", "0"]).save_steps == 0
 
 
 @pytest.mark.parametrize(
