@@ -35,7 +35,9 @@ Two guards keep a long run safe. A loss or representation gradient that is not f
 stage 2, before any backward: nothing is back-propagated and the report says `skipped`, so the trainer
 does not step. A chunk that runs out of memory raises `ChunkOutOfMemory`, naming a chunk size that fits.
 With several processes, every process takes the same decision (a one-number all-reduce), so no process is
-left waiting in a collective the others never reach.
+left waiting in a collective the others never reach. A process that runs out of memory inside a collective
+pass (the backward that synchronizes, any pass under ZeRO-3) cannot tell the others: its error says
+`agreed=False`, and the trainer must end the job.
 
 This file depends on torch alone. The training framework enters through two arguments of
 `gradcache_step`: `backward(surrogate)` (e.g. `accelerator.backward`, which applies the fp16 loss scale
@@ -424,7 +426,16 @@ def gather_from_all_processes(local):
 
 
 class ChunkOutOfMemory(RuntimeError):
-    """A chunk did not fit. Nothing of the step is left in memory; gradients may hold part of it."""
+    """A chunk did not fit. Nothing of the step is left in memory; gradients may hold part of it.
+
+    `agreed`: every process raised it together. When False this process ran out alone where the others may
+    be waiting in a collective it will never join (a synchronizing backward, or any pass under ZeRO-3): the
+    job cannot continue, only end.
+    """
+
+    def __init__(self, message, agreed=True):
+        super().__init__(message)
+        self.agreed = agreed
 
 
 def any_process(flag, device):
@@ -436,7 +447,7 @@ def any_process(flag, device):
     return bool(flags.item())
 
 
-def out_of_memory_error(limits, by_tokens):
+def out_of_memory_error(limits, by_tokens, agreed=True):
     def shown(values):
         return values[0] if len(set(values)) == 1 else values
 
@@ -447,7 +458,8 @@ def out_of_memory_error(limits, by_tokens):
         chunk, use = f"{shown(limits)} examples", "chunk size"
     return ChunkOutOfMemory(
         f"a chunk of {chunk} ran out of memory (on this or another process). Use a {use} of {smaller} or "
-        "less: the batch, and so the gradients, stay the same; a step takes longer."
+        "less: the batch, and so the gradients, stay the same; a step takes longer.",
+        agreed,
     )
 
 
@@ -482,6 +494,7 @@ def gradcache_step(
     replay_rng: bool = True,
     cross_process_negatives: bool = False,
     allow_batch_mixing: bool = False,
+    agree_on_out_of_memory: bool = True,
 ) -> StepReport:
     """Accumulate into `.grad` the exact full-batch gradient of `loss_fn` over `columns`.
 
@@ -511,6 +524,11 @@ def gradcache_step(
                   the parameter gradients of one process computing the global batch (assumes the
                   backend averages gradients over processes, as DDP, FSDP and DeepSpeed do). Each
                   process computes only its own rows of the loss (`global_batch_gradients`).
+    agree_on_out_of_memory: let every process learn of an out-of-memory before the next collective, so
+                  that all raise `ChunkOutOfMemory` together. False where the passes are collectives
+                  themselves (DeepSpeed ZeRO-3 gathers parameters in every forward, ZeRO-2/3 reduce in every
+                  backward): the process that ran out then raises at once, unagreed. An out-of-memory in the
+                  backward that synchronizes is never agreed on: the others are already in its all-reduce.
     reuse_last_chunk, replay_rng, sort_by_length: the refinements; switching them off is for benchmarks
                   and negative controls (without RNG replay, dropout makes the gradients wrong).
     """
@@ -552,7 +570,7 @@ def gradcache_step(
 
     device = None  # where the guards' flags live: the representations' device
     reps = kept_reps = None
-    out_of_memory = False
+    out_of_memory = alone = False  # alone: ran out where the other processes cannot learn of it
     # The kept group's sync context stays open from its forward in stage 1 to its backward in stage 3.
     with contextlib.ExitStack() as kept_sync:
         # --- Stage 1: encode every chunk without grad; the last group keeps its graph for reuse. ---
@@ -573,6 +591,8 @@ def gradcache_step(
                 kept_reps = reps if keep else None
         except torch.OutOfMemoryError:
             out_of_memory = True  # raised below, outside the handler, whose traceback would pin the chunk
+        if out_of_memory and not agree_on_out_of_memory:
+            raise out_of_memory_error(limits, by_tokens, agreed=False)
         if any_process(out_of_memory, device or guard_device(columns, encoders)):
             raise out_of_memory_error(limits, by_tokens)
 
@@ -597,11 +617,13 @@ def gradcache_step(
             try:
                 backpropagate_cache(groups[-1], kept_reps, rep_grads, backward)
             except torch.OutOfMemoryError:
-                out_of_memory = True
+                out_of_memory, alone = True, len(groups) == 1 or not agree_on_out_of_memory
             reps = kept_reps = None
     for g, group in enumerate(to_reencode):
         is_last = g == len(to_reencode) - 1
-        if is_last:  # agree before the backward that synchronizes, where a lone failure would hang the others
+        if out_of_memory and alone:
+            break
+        if is_last and agree_on_out_of_memory:  # agree before the backward that synchronizes
             out_of_memory = any_process(out_of_memory, device)
         if out_of_memory:
             continue
@@ -612,9 +634,9 @@ def gradcache_step(
                 backpropagate_cache(group, reps, rep_grads, backward)
                 reps = None
         except torch.OutOfMemoryError:
-            out_of_memory = True
+            out_of_memory, alone = True, is_last or not agree_on_out_of_memory
     if out_of_memory:
-        raise out_of_memory_error(limits, by_tokens)
+        raise out_of_memory_error(limits, by_tokens, agreed=not alone)
     return report
 
 

@@ -31,6 +31,7 @@ directory), tensorboard/ and wandb/ (offline unless --wandb_mode online).
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import gzip
 import importlib.metadata
@@ -41,6 +42,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -71,7 +73,7 @@ import datasets
 import psutil
 import torch
 from accelerate import Accelerator, DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
-from accelerate.utils import ProjectConfiguration, send_to_device, set_seed
+from accelerate.utils import ProjectConfiguration, broadcast_object_list, send_to_device, set_seed
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.modules import Router
 from sentence_transformers.base.sampler import NoDuplicatesBatchSampler
@@ -84,7 +86,6 @@ import gradcache
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_TRAIN, DEFAULT_DEV = str(DATA_DIR / "wordnet_train.jsonl.gz"), str(DATA_DIR / "wordnet_dev.jsonl.gz")
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-TRAINER_STATE_KEYS = ("global_step", "epoch", "batches_done", "skipped_steps", "nonfinite_steps")
 # A checkpoint written with other values of these would resume at another data position.
 MAP_YOURS = "Map yours with --columns, e.g. --columns anchor=question,positive=answer,negatives=neg1+neg2"
 RESUME_KEYS = ("data", "columns", "max_train_examples", "batch_size", "gradient_accumulation_steps", "seed")
@@ -159,10 +160,15 @@ add(
     help="stop after N steps in a row with a non-finite loss or gradient",
 )
 # Evaluation, logging, checkpoints
-add("--eval_steps", type=int, default=100, help="evaluate every N steps, and before and after training")
-add("--log_steps", type=int, default=1, help="log training metrics every N steps")
-add("--save_steps", type=int, default=500, help="checkpoint every N steps, and at the end")
+add("--eval_steps", type=int, default=100, help="evaluate every N steps, before and after training; 0: never")
+add("--log_steps", type=int, default=1, help="log training metrics every N steps; 0: never")
+add("--save_steps", type=int, default=500, help="checkpoint every N steps, and at the end; 0: never")
 add("--save_total_limit", type=int, default=0, help="keep only the newest N checkpoints; 0 keeps all")
+add(
+    "--save_on_each_node",
+    action="store_true",
+    help="every machine keeps whole checkpoints on its own disk (machines without a shared file system)",
+)
 add("--resume_from_checkpoint", default=None, help="a checkpoint folder, or 'latest' in this --output_dir")
 add("--run_name", default="minilm-wordnet")
 add("--output_dir", default=None, help="default: runs/<run_name>")
@@ -189,6 +195,9 @@ def parse_args(argv=None):
     for name in ("batch_size", "chunk_size", "chunk_tokens", "gradient_accumulation_steps", "epochs"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}.")
+    for name in ("eval_steps", "log_steps", "save_steps", "save_total_limit", "max_steps"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name} must be 0 (off) or more, got {getattr(args, name)}.")
     if args.chunk_size is not None and args.chunk_size > args.batch_size:
         parser.error(
             f"--chunk_size {args.chunk_size} is larger than --batch_size {args.batch_size}: a chunk is part "
@@ -632,23 +641,50 @@ def complete_checkpoints(checkpoints_dir):
     return sorted(complete, key=lambda p: int(p.name[5:]))
 
 
+def resume_checkpoint(spec, checkpoints_dir, accelerator):
+    """find_checkpoint, the same on every process: 'latest' is looked up by the main process alone and
+    broadcast (on other machines the folder may differ, or hold a checkpoint still being published)."""
+    if spec != "latest":
+        return find_checkpoint(spec, checkpoints_dir)
+    found = [find_checkpoint(spec, checkpoints_dir) if accelerator.is_main_process else None]
+    return broadcast_object_list(found)[0]
+
+
 def save_checkpoint(accelerator, checkpoints_dir, trainer_state, total_limit):
-    """accelerator.save_state into step_<N>.partial, renamed to step_<N> once every process has written:
-    a folder named step_<N> is always complete."""
+    """accelerator.save_state into step_<N>.partial, renamed to step_<N> once every process has written and
+    the files are on disk: a folder named step_<N> is always complete.
+
+    Each machine's local main process publishes its own folder, the global main process first: on a shared
+    file system the others then find the work done; with --save_on_each_node each completes its own copy.
+    """
     final = checkpoints_dir / f"step_{trainer_state['global_step']}"
     partial = final.with_name(final.name + ".partial")
-    if accelerator.is_main_process:
+    if accelerator.is_local_main_process:
         shutil.rmtree(partial, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(partial))
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (partial / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)  # atomic on one file system
-        for old in complete_checkpoints(checkpoints_dir)[:-total_limit] if total_limit else []:
-            shutil.rmtree(old)  # only once the newer one is complete
-    accelerator.wait_for_everyone()
+    for turn_of_main in (True, False):
+        its_turn = accelerator.is_main_process if turn_of_main else not accelerator.is_main_process
+        if its_turn and accelerator.is_local_main_process and partial.exists():
+            (partial / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+            # On disk before the rename: else a power cut could leave a step_<N> with empty files.
+            for path in [*partial.rglob("*"), partial]:
+                flush_to_disk(path)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(partial, final)  # atomic on one file system
+            flush_to_disk(checkpoints_dir)  # the rename itself
+            for old in complete_checkpoints(checkpoints_dir)[:-total_limit] if total_limit else []:
+                shutil.rmtree(old)  # only once the newer one is complete
+        accelerator.wait_for_everyone()
+
+
+def flush_to_disk(path):
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def gathered_parameters(model):
@@ -664,7 +700,15 @@ def gathered_parameters(model):
 
 def save_final_model(accelerator, model, path):
     """Save in sentence-transformers format. Under ZeRO-3 every process gathers the partitioned parameters
-    and the main process saves them whole."""
+    and the main process saves them whole.
+
+    transformers' save_pretrained writes back the checkpoint names each weight renaming it applied at load.
+    Its ZeRO-3 loader keeps every renaming it knows, used or not, so LayerNorm weights would be saved as the
+    legacy gamma/beta; keep those that matched, as its ordinary loader does: the same names from all backends.
+    """
+    for module in model.modules():
+        if renamings := getattr(module, "_weight_conversions", None):
+            module._weight_conversions = [renaming for renaming in renamings if renaming.was_used()]
     with gathered_parameters(model):
         if accelerator.is_main_process:
             model.save(str(path))
@@ -699,6 +743,11 @@ def smaller_chunk(error, chunking, args, accelerator):
     """Half the chunk (--chunk_size or --chunk_tokens, whichever is in use) with --auto_chunk_size; otherwise
     stop, saying what to launch with. A budget of one token holds one example per chunk, as a size of 1."""
     ((name, value),) = chunking.items()
+    if not error.agreed and accelerator.num_processes > 1:
+        # The other processes wait in a collective this one will never join: end it now, and the launcher
+        # (torchrun, DeepSpeed's) stops them. A normal exit could block in the process group's teardown.
+        print(f"train.py: error: {error} Relaunch with --{name} {value // 2}.", file=sys.stderr, flush=True)
+        os._exit(1)
     if value == 1:
         fail(f"{error} Even one example per chunk does not fit: lower --max_seq_length, or offload (ZeRO-3).")
     if not args.auto_chunk_size:
@@ -722,19 +771,49 @@ def loss_scale(accelerator, model):
     """fp16 loss scale: accelerate's GradScaler, or DeepSpeed's (there accelerator.scaler is None)."""
     if accelerator.scaler is not None:
         return accelerator.scaler.get_scale()
-    return getattr(getattr(model, "optimizer", None), "loss_scale", None)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and model.fp16_enabled():
+        return model.optimizer.loss_scale
+    return None
 
 
-def main(args):
-    output_dir, checkpoints_dir = Path(args.output_dir), Path(args.output_dir) / "checkpoints"
-    resume = args.resume_from_checkpoint and find_checkpoint(args.resume_from_checkpoint, checkpoints_dir)
+def set_peak_learning_rate(scheduler, learning_rate):
+    """Rescale the schedule to another peak rate at the step it has reached (load_state restored the
+    checkpoint's rates into the optimizer and the scheduler)."""
+    scheduler.base_lrs = [learning_rate] * len(scheduler.base_lrs)
+    for group in scheduler.optimizer.param_groups:
+        group["initial_lr"] = learning_rate
+    scheduler.last_epoch -= 1
+    scheduler.step()  # recomputes every group's rate from base_lrs, at the same point of the schedule
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The parts of main(): setup, what one optimizer step decided, logging, the end
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Progress:
+    """Where the run stands: saved in every checkpoint's trainer_state.json, restored on resume."""
+
+    global_step: int = 0
+    epoch: int = 0
+    batches_done: int = 0  # in this epoch
+    skipped_steps: int = 0  # steps without an update: a non-finite loss or gradient, or an fp16 overflow
+    nonfinite_steps: int = 0
+
+
+def make_accelerator(args, output_dir):
     # DeepSpeed clips by its JSON, where "auto" becomes this variable (accelerate's DeepSpeedPlugin).
     os.environ.setdefault("ACCELERATE_GRADIENT_CLIPPING", str(args.max_grad_norm))
     launched_distributed = "LOCAL_RANK" in os.environ  # set by torchrun and the DeepSpeed launcher
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with=["tensorboard"] + (["wandb"] if args.wandb_mode != "disabled" else []),
-        project_config=ProjectConfiguration(str(output_dir), logging_dir=str(output_dir / "tensorboard")),
+        project_config=ProjectConfiguration(
+            str(output_dir),
+            logging_dir=str(output_dir / "tensorboard"),
+            save_on_each_node=args.save_on_each_node,
+        ),
         kwargs_handlers=[
             # Several processes without CUDA: name gloo, or accelerate leaves the backend unset and each
             # DeepSpeed rank believes it is process 0 of 1 (accelerate/state.py). Else accelerate chooses.
@@ -744,7 +823,17 @@ def main(args):
             DistributedDataParallelKwargs(find_unused_parameters=True),  # the BERT pooler gets no gradient
         ],
     )
-    set_seed(args.seed)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and args.gradient_accumulation_steps > 1:
+        fail(
+            "--gradient_accumulation_steps > 1 under DeepSpeed: a skipped batch could not take back the "
+            "earlier batches of its window, which ZeRO holds in its own buffers. Raise --batch_size "
+            "instead: with Gradient Cache a bigger batch costs no more memory."
+        )
+    return accelerator
+
+
+def load_data(args, accelerator):
+    """(training pairs, dev pairs or None, bad records skipped)."""
     mapping = parse_columns(args.columns)
     with accelerator.main_process_first():  # the first process fills datasets' cache, the others read it
         checks = (args.skip_bad_records, args.max_text_chars)
@@ -752,34 +841,29 @@ def main(args):
         dev_data = load_pairs(args.dev_data, mapping, *checks)[0] if args.dev_data else None
     if 0 < args.max_train_examples < len(train_data):
         train_data = train_data.shuffle(seed=args.seed).select(range(args.max_train_examples))
-    model = load_model(args.model, str(accelerator.device))  # after the Accelerator: ZeRO-3 loads partitioned
-    model.max_seq_length = args.max_seq_length or model.max_seq_length
-    check_matryoshka_dims(args.matryoshka_dims, model.get_embedding_dimension())
-    prepare_model(model, args)
-    prompts = role_prompts(model, args.query_prompt, args.document_prompt)
-    gradcache.check_examples_independent(model)
-    evaluator = build_evaluator(dev_data, args.dev_queries, prompts) if dev_data else None
+    return train_data, dev_data, skipped_records
+
+
+def make_loader(train_data, args):
     sampler = NoDuplicatesOrder(train_data, args.batch_size, args.seed)
     # Its own generator: by default every new iterator draws a seed from the global RNG, so a resumed run
     # (one iterator more) would draw other dropout masks than an uninterrupted one.
-    loader = torch.utils.data.DataLoader(
+    return torch.utils.data.DataLoader(
         sampler.examples, args.batch_size, sampler=sampler, drop_last=True, generator=torch.Generator()
     )
-    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapter only
-    adamw = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
-    engine, optimizer, loader = accelerator.prepare(model, adamw, loader)
+
+
+def derive_numbers(args, accelerator, loader, train_data, skipped_records):
+    """The numbers a run is read by, printed and logged once."""
     if len(loader) == 0:
         fail(
             f"{len(train_data)} examples make no batch of {args.batch_size} distinct texts for each of "
             f"{accelerator.num_processes} processes. Lower --batch_size or add data."
         )
-
-    # Derived numbers, printed and logged once.
     steps_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
-    total_steps = args.max_steps or steps_per_epoch * args.epochs
     processes = accelerator.num_processes
     contrasted = args.batch_size * (processes if args.cross_process_negatives else 1)
-    derived = {
+    return {
         "processes": processes,
         "effective_batch_size": args.batch_size * processes * args.gradient_accumulation_steps,
         "negatives_per_example": contrasted * (len(train_data.column_names) - 1) - 1,
@@ -787,14 +871,151 @@ def main(args):
         "train_examples": len(train_data),
         "skipped_records": skipped_records,
         "steps_per_epoch": steps_per_epoch,
-        "total_steps": total_steps,
+        "total_steps": args.max_steps or steps_per_epoch * args.epochs,
         "mixed_precision": accelerator.mixed_precision,
         "distributed_type": str(accelerator.distributed_type),
     }
+
+
+def start_tracking(accelerator, args, derived, output_dir):
+    """Print the whole configuration and send it to wandb and TensorBoard."""
     config = {
         k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in (vars(args) | derived).items()
     }
     accelerator.print("\n".join(f"{name:>28}: {value}" for name, value in config.items()))
+    wandb_kwargs = {"name": args.run_name, "mode": args.wandb_mode, "dir": str(output_dir)}
+    accelerator.init_trackers(args.wandb_project, config, init_kwargs={"wandb": wandb_kwargs})
+    # wandb drops a step below its own counter: plot by our field instead
+    if accelerator.is_main_process and args.wandb_mode != "disabled":
+        accelerator.get_tracker("wandb", unwrap=True).define_metric("*", step_metric="train/global_step")
+
+
+def resume_training(accelerator, checkpoint, args, scheduler, processes):
+    """Restore model, optimizer, scheduler and RNG states from `checkpoint`; its Progress."""
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    changed = [f"--{k} {state['args'][k]}" for k in RESUME_KEYS if state["args"][k] != getattr(args, k)]
+    if changed or state["processes"] != processes:
+        written = ", ".join(changed or [f"{state['processes']} processes"])
+        fail(
+            f"{checkpoint} was written with {written}: the data order would not continue. Launch with the "
+            "checkpoint's values, or start a new --output_dir."
+        )
+    accelerator.load_state(str(checkpoint))
+    progress = Progress(**{field.name: state[field.name] for field in dataclasses.fields(Progress)})
+    accelerator.print(
+        f"resumed from {checkpoint}: step {progress.global_step}, epoch {progress.epoch}, "
+        f"batch {progress.batches_done}"
+    )
+    if args.lr != state["args"]["lr"]:
+        set_peak_learning_rate(scheduler, args.lr)
+        accelerator.print(f"--lr {args.lr} replaces the checkpoint's {state['args']['lr']} from here on")
+    return progress
+
+
+def clip_and_step(accelerator, engine, optimizer, max_grad_norm, loss_scaled, step):
+    """At the end of an accumulation window: (non-finite, fp16 overflow, gradient norm).
+
+    Without a loss scale, a gradient norm that is not finite (taken after DDP's all-reduce, so every process
+    decides alike) means no optimizer step. With one it is an overflow, which the scaler skips itself: its
+    step() and update() always run. Under DeepSpeed the step already happened inside the last backward,
+    and only its norm and its own skip are read here.
+    """
+    grad_norm = accelerator.clip_grad_norm_(engine.parameters(), max_grad_norm)
+    infinite = grad_norm is not None and not math.isfinite(grad_norm)
+    nonfinite = infinite and not loss_scaled
+    if not nonfinite:
+        optimizer.step()
+    skipped_by_backend = accelerator.optimizer_step_was_skipped
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and infinite and not skipped_by_backend:
+        fail(
+            f"DeepSpeed applied step {step} with a gradient norm of {grad_norm}: the weights are no longer "
+            "finite. Resume from the last checkpoint with a lower --lr."
+        )
+    return nonfinite, loss_scaled and skipped_by_backend, grad_norm
+
+
+def count_skipped_step(progress, nonfinite, overflow, accelerator, engine):
+    """Count and print a step without an update; True if it was one."""
+    progress.nonfinite_steps += nonfinite
+    progress.skipped_steps += nonfinite or overflow
+    if nonfinite:
+        accelerator.print(f"step {progress.global_step + 1}: loss or gradient not finite, update skipped")
+    if overflow:  # normal in the first steps of fp16 training, never a bad step
+        scale = loss_scale(accelerator, engine)
+        accelerator.print(
+            f"step {progress.global_step + 1}: fp16 overflow, update skipped; loss scale now {scale}"
+        )
+    return nonfinite or overflow
+
+
+def stop_after_bad_steps(consecutive_nonfinite, step, checkpoints_dir):
+    last_good = find_checkpoint("latest", checkpoints_dir)
+    fail(
+        f"{consecutive_nonfinite} steps in a row (through step {step}) had a loss or gradient that is not "
+        "finite; none of them changed the weights. The last checkpoint is "
+        f"{last_good or 'none: no checkpoint was written yet'}. Resume from it (--resume_from_checkpoint "
+        "latest) with a lower --lr, or check the data of these steps."
+    )
+
+
+@dataclasses.dataclass
+class LogWindow:
+    """What happened since the last log: its means become the logged training metrics."""
+
+    loss: float = 0.0
+    batches: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+
+
+def training_metrics(accelerator, engine, progress, window, derived, batches_per_epoch, **values):
+    metrics = {
+        "train/global_step": progress.global_step,
+        "train/epoch": progress.epoch + progress.batches_done / batches_per_epoch,
+        "train/loss": accelerator.reduce(window.loss / window.batches, "mean").item(),
+        "train/effective_batch_size": derived["effective_batch_size"],
+        "train/examples_per_second": window.steps * derived["effective_batch_size"] / window.seconds,
+        "train/skipped_steps": progress.skipped_steps,
+        "train/nonfinite_steps": progress.nonfinite_steps,
+    }
+    metrics |= {f"train/{name}": value for name, value in values.items()} | memory_metrics(accelerator.device)
+    if (scale := loss_scale(accelerator, engine)) is not None:
+        metrics["train/loss_scale"] = float(scale)
+    return metrics
+
+
+def finish(accelerator, model, output_dir, first_eval, last_eval):
+    save_final_model(accelerator, model, output_dir / "final")
+    accelerator.print(f"saved {output_dir / 'final'}: load it with SentenceTransformer(path)")
+    for name in ("mrr@10", "ndcg@10", "recall@10"):  # scored by the model's similarity: cosine, dot
+        name = f"eval/dev_{model.similarity_fn_name}_{name}"
+        if first_eval and last_eval:
+            accelerator.print(f"{name}: {first_eval[name]:.4f} before, {last_eval[name]:.4f} after training")
+    accelerator.end_training()
+
+
+def main(args):
+    # --- Setup ---
+    output_dir, checkpoints_dir = Path(args.output_dir), Path(args.output_dir) / "checkpoints"
+    accelerator = make_accelerator(args, output_dir)
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    resume = args.resume_from_checkpoint and resume_checkpoint(
+        args.resume_from_checkpoint, checkpoints_dir, accelerator
+    )
+    set_seed(args.seed)
+    train_data, dev_data, skipped_records = load_data(args, accelerator)
+    model = load_model(args.model, str(accelerator.device))  # after the Accelerator: ZeRO-3 loads partitioned
+    model.max_seq_length = args.max_seq_length or model.max_seq_length
+    check_matryoshka_dims(args.matryoshka_dims, model.get_embedding_dimension())
+    prepare_model(model, args)  # its similarity, LoRA, gradient checkpointing
+    prompts = role_prompts(model, args.query_prompt, args.document_prompt)
+    gradcache.check_examples_independent(model)
+    evaluator = build_evaluator(dev_data, args.dev_queries, prompts) if dev_data and args.eval_steps else None
+    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapter only
+    adamw = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
+    engine, optimizer, loader = accelerator.prepare(model, adamw, make_loader(train_data, args))
+    derived = derive_numbers(args, accelerator, loader, train_data, skipped_records)
+    total_steps = derived["total_steps"]
     # Not prepared: accelerate steps a prepared scheduler once per process under DDP and hands it to DeepSpeed
     # otherwise; this one steps once per optimizer step everywhere. It writes AdamW's param groups, which
     # DeepSpeed's ZeRO optimizers step in place.
@@ -810,42 +1031,31 @@ def main(args):
         matryoshka_weights=args.matryoshka_weights,
     )
     sync_context = gradcache.accelerate_sync_context(accelerator, engine)
+    # fp16 scales the loss; an overflowing step is then skipped by the scaler (or DeepSpeed) itself.
+    loss_scaled = accelerator.scaler is not None or (deepspeed and engine.fp16_enabled())
     selects = chunk_selects(model, train_data.column_names, prompts, accelerator.device)
-    wandb_kwargs = {"name": args.run_name, "mode": args.wandb_mode, "dir": str(output_dir)}
-    accelerator.init_trackers(args.wandb_project, config, init_kwargs={"wandb": wandb_kwargs})
-    # wandb drops a step below its own counter: plot by our field instead
-    if accelerator.is_main_process and args.wandb_mode != "disabled":
-        accelerator.get_tracker("wandb", unwrap=True).define_metric("*", step_metric="train/global_step")
-
-    global_step, epoch, batches_done, skipped_steps, nonfinite_steps = 0, 0, 0, 0, 0
+    start_tracking(accelerator, args, derived, output_dir)
+    progress = Progress()
     if resume:
-        state = json.loads((resume / "trainer_state.json").read_text())
-        changed = [f"--{k} {state['args'][k]}" for k in RESUME_KEYS if state["args"][k] != getattr(args, k)]
-        if changed or state["processes"] != processes:
-            written = ", ".join(changed or [f"{state['processes']} processes"])
-            fail(
-                f"{resume} was written with {written}: the data order would not continue. Launch with the "
-                "checkpoint's values, or start a new --output_dir."
-            )
-        accelerator.load_state(str(resume))  # model, optimizer, scheduler, RNG states
-        global_step, epoch, batches_done, skipped_steps, nonfinite_steps = (
-            state[k] for k in TRAINER_STATE_KEYS
-        )
-        accelerator.print(f"resumed from {resume}: step {global_step}, epoch {epoch}, batch {batches_done}")
+        progress = resume_training(accelerator, resume, args, scheduler, derived["processes"])
     elif args.resume_from_checkpoint:
         accelerator.print(f"no complete checkpoint in {checkpoints_dir}: starting from scratch")
 
+    # --- The loop: one optimizer step per accumulation window of batches ---
     # Every process evaluates: under ZeRO-3 the forward passes gather parameters collectively.
-    first_eval = last_eval = evaluate(evaluator, model) if evaluator and global_step == 0 else None
+    first_eval = last_eval = evaluate(evaluator, model) if evaluator and progress.global_step == 0 else None
     if first_eval:
         accelerator.log(first_eval | {"train/global_step": 0}, step=0)
     engine.train()
-    progress = tqdm(total=total_steps, initial=global_step, disable=not accelerator.is_main_process)
-    window_loss, window_batches, window_steps, window_seconds = 0.0, 0, 0, 0.0  # since the last log
-    chunking, nonfinite, consecutive_nonfinite = chunk_arguments(args), False, 0
-    while global_step < total_steps:
-        loader.set_epoch(epoch)  # the sampler's order, and accelerate's count of iterations
-        for batch in accelerator.skip_first_batches(loader, batches_done) if batches_done else loader:
+    bar = tqdm(total=total_steps, initial=progress.global_step, disable=not accelerator.is_main_process)
+    window, chunking, grad_norm = LogWindow(), chunk_arguments(args), None
+    nonfinite, consecutive_nonfinite = False, 0  # in this accumulation window; bad steps in a row
+    while progress.global_step < total_steps:
+        loader.set_epoch(progress.epoch)  # the sampler's order, and accelerate's count of iterations
+        batches = (
+            accelerator.skip_first_batches(loader, progress.batches_done) if progress.batches_done else loader
+        )
+        for batch in batches:
             batch_start = time.perf_counter()
             with accelerator.accumulate(engine):
                 # Texts, tokenized chunk by chunk as they are encoded (select): never padded as a batch.
@@ -864,94 +1074,75 @@ def main(args):
                             backward=accelerator.backward,
                             sync_context=sync_context,
                             cross_process_negatives=args.cross_process_negatives,
+                            agree_on_out_of_memory=not deepspeed,  # ZeRO's passes are collectives
                         )
                     except gradcache.ChunkOutOfMemory as err:  # every process raises it together
                         chunking = smaller_chunk(err, chunking, args, accelerator)
                     if report is None:  # the error, and the step it pinned, are gone: release the memory
                         optimizer.zero_grad()
                         free_device_memory(accelerator.device)
-                # A loss or gradient that is not finite never reaches the weights (gradcache_step skipped
-                # the backward; a norm is taken after DDP's all-reduce): every process decides alike.
-                nonfinite = nonfinite or report.skipped
-                if accelerator.sync_gradients:  # under DeepSpeed its norm: it clipped and stepped in backward
-                    grad_norm = accelerator.clip_grad_norm_(engine.parameters(), args.max_grad_norm)
-                    nonfinite = nonfinite or (grad_norm is not None and not math.isfinite(grad_norm))
-                    if not nonfinite:
-                        optimizer.step()
+                # A loss or representation gradient that is not finite: gradcache_step back-propagated
+                # nothing, on every process. Never unscale or step what will not be applied.
+                nonfinite, overflow = nonfinite or report.skipped, False
+                if accelerator.sync_gradients and not nonfinite:
+                    nonfinite, overflow, grad_norm = clip_and_step(
+                        accelerator,
+                        engine,
+                        optimizer,
+                        args.max_grad_norm,
+                        loss_scaled,
+                        progress.global_step + 1,
+                    )
                 optimizer.zero_grad()
-            batches_done += 1
-            window_loss, window_batches = window_loss + report.loss, window_batches + 1
-            window_seconds += time.perf_counter() - batch_start
+            progress.batches_done += 1
+            window.loss, window.batches = window.loss + report.loss, window.batches + 1
+            window.seconds += time.perf_counter() - batch_start
             if not accelerator.sync_gradients:
                 continue
-            learning_rate = scheduler.get_last_lr()[0]
-            consecutive_nonfinite = consecutive_nonfinite + 1 if nonfinite else 0
-            nonfinite_steps += nonfinite
-            if (
-                nonfinite or accelerator.optimizer_step_was_skipped
-            ):  # fp16 overflow too: no update, no schedule
-                skipped_steps += 1
-            else:
-                scheduler.step()
-            if nonfinite:
-                accelerator.print(f"step {global_step + 1}: loss or gradient not finite, update skipped")
-            if consecutive_nonfinite >= args.max_bad_steps:
-                last_good = find_checkpoint("latest", checkpoints_dir)
-                fail(
-                    f"{consecutive_nonfinite} steps in a row (through step {global_step + 1}) had a loss or "
-                    "gradient that is not finite; none of them changed the weights. The last checkpoint is "
-                    f"{last_good or 'none: no checkpoint was written yet'}. Resume from it "
-                    "(--resume_from_checkpoint latest) with a lower --lr, or check the data of these steps."
-                )
-            nonfinite = False
-            global_step, window_steps = global_step + 1, window_steps + 1
-            examples_per_second = window_steps * derived["effective_batch_size"] / window_seconds
-            progress.update()
-            progress.set_postfix(
-                loss=f"{report.loss.item():.4f}", examples_per_s=f"{examples_per_second:.1f}"
-            )
 
-            if global_step % args.log_steps == 0 or global_step == total_steps:
-                metrics = {
-                    "train/global_step": global_step,
-                    "train/epoch": epoch + batches_done / len(loader),
-                    "train/loss": accelerator.reduce(window_loss / window_batches, "mean").item(),
-                    "train/learning_rate": learning_rate,
-                    "train/grad_norm": float("nan") if grad_norm is None else float(grad_norm),
-                    "train/effective_batch_size": derived["effective_batch_size"],
-                    **{f"train/{name}": value for name, value in chunking.items()},
-                    "train/examples_per_second": examples_per_second,
-                    "train/skipped_steps": skipped_steps,
-                    "train/nonfinite_steps": nonfinite_steps,
-                } | memory_metrics(accelerator.device)
-                if (scale := loss_scale(accelerator, engine)) is not None:
-                    metrics["train/loss_scale"] = float(scale)
-                accelerator.log(metrics, step=global_step)
-                window_loss, window_batches, window_steps, window_seconds = 0.0, 0, 0, 0.0
-            if evaluator and (global_step % args.eval_steps == 0 or global_step == total_steps):
+            learning_rate = scheduler.get_last_lr()[0]
+            if not count_skipped_step(progress, nonfinite, overflow, accelerator, engine):
+                scheduler.step()  # no update, no schedule
+            consecutive_nonfinite = consecutive_nonfinite + 1 if nonfinite else 0
+            if consecutive_nonfinite >= args.max_bad_steps:
+                stop_after_bad_steps(consecutive_nonfinite, progress.global_step + 1, checkpoints_dir)
+            nonfinite = False
+            progress.global_step, window.steps = progress.global_step + 1, window.steps + 1
+            bar.update()
+            bar.set_postfix(
+                loss=f"{report.loss.item():.4f}",
+                examples_per_s=f"{window.steps * derived['effective_batch_size'] / window.seconds:.1f}",
+            )
+            last = progress.global_step == total_steps
+
+            if args.log_steps and (progress.global_step % args.log_steps == 0 or last):
+                metrics = training_metrics(
+                    accelerator, engine, progress, window, derived, len(loader),
+                    learning_rate=learning_rate,
+                    grad_norm=float("nan") if grad_norm is None else float(grad_norm),
+                    **chunking,
+                )  # fmt: skip
+                accelerator.log(metrics, step=progress.global_step)
+                window = LogWindow()
+            if evaluator and (progress.global_step % args.eval_steps == 0 or last):
                 last_eval = evaluate(evaluator, model)
-                accelerator.log(last_eval | {"train/global_step": global_step}, step=global_step)
-                accelerator.print(
-                    f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items())
+                accelerator.log(
+                    last_eval | {"train/global_step": progress.global_step}, step=progress.global_step
                 )
-            if global_step % args.save_steps == 0 or global_step == total_steps:
-                values = (global_step, epoch, batches_done, skipped_steps, nonfinite_steps)
-                state = dict(zip(TRAINER_STATE_KEYS, values, strict=True))
-                state |= {"processes": processes, "args": vars(args)}
+                accelerator.print(
+                    f"step {progress.global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items())
+                )
+            if args.save_steps and (progress.global_step % args.save_steps == 0 or last):
+                state = dataclasses.asdict(progress) | {"processes": derived["processes"], "args": vars(args)}
                 save_checkpoint(accelerator, checkpoints_dir, state, args.save_total_limit)
-            if global_step == total_steps:
+            if last:
                 break
         else:
-            epoch, batches_done = epoch + 1, 0
-    progress.close()
+            progress.epoch, progress.batches_done = progress.epoch + 1, 0
+    bar.close()
 
-    save_final_model(accelerator, model, output_dir / "final")
-    accelerator.print(f"saved {output_dir / 'final'}: load it with SentenceTransformer(path)")
-    for name in ("mrr@10", "ndcg@10", "recall@10"):  # scored by the model's similarity: cosine, dot
-        name = f"eval/dev_{model.similarity_fn_name}_{name}"
-        if first_eval and last_eval:
-            accelerator.print(f"{name}: {first_eval[name]:.4f} before, {last_eval[name]:.4f} after training")
-    accelerator.end_training()
+    # --- The end ---
+    finish(accelerator, model, output_dir, first_eval, last_eval)
 
 
 if __name__ == "__main__":

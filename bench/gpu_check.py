@@ -11,9 +11,19 @@ gradcache_step under:
 It prints a markdown table (setup, max relative differences, tolerance, pass/fail) and writes it to
 $OUT/gpu_check.md when OUT is set, else to bench/results/gpu_check.md. Exits 1 if a row fails or could not
 run. Two short torchrun launches (their CPU counterparts take about 15 s each): well under 3 minutes.
+
+Then fp16 overflows through train.py itself, on a tiny BERT (tests/test_train.py's), one process each:
+  - accelerate's GradScaler (accelerate_configs/fp16.yaml) starting at 2^24 (tests/faults sets it);
+  - DeepSpeed ZeRO-2 fp16 with "initial_scale_power": 24;
+each must overflow its first steps, skip and count them (never as non-finite steps, whatever
+--max_bad_steps 2 says), lower the scale, then train to finite weights. Two more launches, about a minute.
+
+    python bench/gpu_check.py --overflow_only    # only these two runs
 """
 
+import argparse
 import importlib.util
+import json
 import os
 import platform
 import subprocess
@@ -65,25 +75,117 @@ def run_checks(out_dir):
     return rows, notes
 
 
+OVERFLOW_SCALE_POWER = 24  # a tiny BERT's gradients overflow fp16 above about 2^17 (measured on a CPU)
+
+
+def overflow_launch_commands(folder, model, data):
+    """{name: (command, environment)}: train.py under fp16, from a loss scale that overflows at first."""
+    train_args = [str(REPO / "train.py"), "--model", str(model), "--data", str(data), "--dev_data", ""]
+    train_args += ["--batch_size", "8", "--chunk_size", "3", "--max_steps", "12", "--lr", "1e-3"]
+    train_args += ["--max_bad_steps", "2", "--save_steps", "0", "--wandb_mode", "disabled"]
+    deepspeed_config = json.loads((REPO / "accelerate_configs" / "deepspeed" / "zero2.json").read_text())
+    deepspeed_config["fp16"]["initial_scale_power"] = OVERFLOW_SCALE_POWER
+    (folder / "zero2_fp16.json").write_text(json.dumps(deepspeed_config))
+    deepspeed_yaml = (REPO / "accelerate_configs" / "deepspeed_zero2.yaml").read_text()
+    (folder / "zero2_fp16.yaml").write_text(
+        deepspeed_yaml.replace("accelerate_configs/deepspeed/zero2.json", str(folder / "zero2_fp16.json"))
+    )
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1"]
+    scaler = {"PYTHONPATH": f"{REPO / 'tests' / 'faults'}{os.pathsep}{REPO}"}
+    scaler |= {"GRADCACHE_FP16_SCALER": str(2.0**OVERFLOW_SCALE_POWER)}
+    return {
+        "accelerate-fp16-overflow": (
+            [*accelerate, "--config_file", str(REPO / "accelerate_configs" / "fp16.yaml"), *train_args],
+            scaler,
+        ),
+        "deepspeed-zero2-fp16-overflow": (
+            [*accelerate, "--config_file", str(folder / "zero2_fp16.yaml"), "--mixed_precision", "fp16"]
+            + train_args,
+            {},
+        ),
+    }
+
+
+def overflow_verdict(done, output_dir):
+    """(passed, what was seen) for one fp16 overflow run."""
+    from safetensors.torch import load_file
+    from test_train import logged_scalars
+
+    output = done.stdout + done.stderr
+    overflows = output.count("fp16 overflow, update skipped")
+    if done.returncode != 0:
+        return False, f"exit {done.returncode}: {output[-800:]}"
+    scales = [value for _, value in logged_scalars(output_dir)["train/loss_scale"]]
+    nonfinite = [value for _, value in logged_scalars(output_dir)["train/nonfinite_steps"]]
+    weights = load_file(str(output_dir / "final" / "model.safetensors"))
+    finite = all(bool(torch.isfinite(value).all()) for value in weights.values())
+    seen = f"{overflows} overflows, loss scale {scales[0]:g} -> {scales[-1]:g}"
+    seen += f", non-finite steps {nonfinite[-1]:g}"
+    passed = overflows >= 2 and scales[-1] < 2.0**OVERFLOW_SCALE_POWER and nonfinite[-1] == 0 and finite
+    return passed, seen + ("" if finite else ", weights NOT finite")
+
+
+def run_overflow_checks(out_dir):
+    """Markdown rows, and whether all passed."""
+    from test_train import ROWS, WORDS, build_tiny_model, write_rows
+
+    folder = Path(out_dir)
+    model = build_tiny_model(folder, dropout=0.1)
+    texts = [
+        {"anchor": f"{WORDS[i % 60]} a{i}", "positive": f"p{i}", "negative": f"n{i}"} for i in range(ROWS)
+    ]
+    data = write_rows(folder / "train.jsonl", texts)
+    rows, all_passed = ["| fp16 overflow run | passed | seen |", "| --- | --- | --- |"], True
+    for name, (command, env) in overflow_launch_commands(folder, model, data).items():
+        output_dir = folder / name
+        done = subprocess.run(
+            [*command, "--output_dir", str(output_dir)],
+            cwd=REPO,
+            env=os.environ | {"HF_HUB_OFFLINE": "1"} | env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        passed, seen = overflow_verdict(done, output_dir)
+        rows.append(f"| {name} | {'yes' if passed else 'NO'} | {seen} |")
+        all_passed &= passed
+    return "\n".join(rows) + "\n", all_passed
+
+
 def main():
+    options = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    options.add_argument(
+        "--overflow_only", action="store_true", help="only the fp16 overflow runs of train.py"
+    )
+    overflow_only = options.parse_args().overflow_only
     if not torch.cuda.is_available():
         sys.exit(
             "gpu_check.py needs CUDA: torch sees no GPU here. The CPU checks are tests/test_backends.py."
         )
+    rows, notes = [], []
     with tempfile.TemporaryDirectory() as out_dir:
-        rows, notes = run_checks(out_dir)
+        if not overflow_only:
+            rows, notes = run_checks(out_dir)
+        overflow_table, overflow_passed = run_overflow_checks(out_dir)
     header = (
         f"# Gradient Cache GPU check\n\n{torch.cuda.get_device_name()}, torch {torch.__version__}, "
         f"Python {platform.python_version()}. Max relative difference against the fp32 full-batch reference "
         "(per tensor, max|diff| / max|reference|; worst tensor).\n\n"
     )
-    report = header + markdown_table(rows) + "".join(f"\n{note}\n" for note in notes)
+    report = (
+        header + ("" if overflow_only else markdown_table(rows)) + "".join(f"\n{note}\n" for note in notes)
+    )
+    report += "\n" + overflow_table
     print(report)
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.md").write_text(report)
-    expected_rows = len(ACCELERATE_CASES) + len(DEEPSPEED_CASES)
+    expected_rows = 0 if overflow_only else len(ACCELERATE_CASES) + len(DEEPSPEED_CASES)
     if len(rows) < expected_rows or not all(passes(case, comparison) for case, comparison in rows):
+        sys.exit(1)
+    if not overflow_passed:
         sys.exit(1)
 
 

@@ -110,6 +110,37 @@ def test_out_of_memory_in_the_kept_chunk_backward_is_reported(monkeypatch):
     assert sync.open == 0
 
 
+def test_an_out_of_memory_the_other_processes_cannot_learn_of_says_so():
+    """Agreed: in a stage or a chunk before the backward that synchronizes. Not agreed: in that backward
+    (the others wait in its all-reduce), or anywhere when the passes are collectives (ZeRO)."""
+    columns = make_batch(1)
+
+    def raised(encoder, **options):
+        with pytest.raises(gradcache.ChunkOutOfMemory) as error:
+            gradcache.gradcache_step(encoder, columns, gradcache.contrastive_loss, 4, **options)
+        return error.value.agreed
+
+    stage_1 = OutOfMemoryAbove(TinyEncoder(dropout=0.0), limit=3)
+    assert raised(stage_1) and not raised(stage_1, agree_on_out_of_memory=False)
+
+    class OutOfMemoryInForwardWithGrad(torch.nn.Module):
+        def __init__(self, nth):
+            super().__init__()
+            self.encoder, self.nth, self.calls = TinyEncoder(dropout=0.0), nth, 0
+
+        def forward(self, features):
+            self.calls += torch.is_grad_enabled()
+            if self.calls == self.nth:
+                raise torch.OutOfMemoryError("CUDA out of memory (test double)")
+            return self.encoder(features)
+
+    # 3 columns of 12 in chunks of 4: 9 chunks. Forwards with grad: the chunk kept in stage 1, then the 8
+    # re-encoded ones, of which the last synchronizes.
+    assert raised(OutOfMemoryInForwardWithGrad(nth=8))
+    assert not raised(OutOfMemoryInForwardWithGrad(nth=9))
+    assert not raised(OutOfMemoryInForwardWithGrad(nth=3), agree_on_out_of_memory=False)
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

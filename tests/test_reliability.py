@@ -8,6 +8,7 @@ import json
 import math
 import os
 import string
+import threading
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,42 @@ def test_killed_at_a_checkpoint_the_run_resumes_bit_for_bit(
     resumed, reference = weights(tmp_path / "final"), weights(uninterrupted / "final")
     assert all(torch.equal(resumed[name], reference[name]) for name in reference)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_4", "step_6"]
+
+
+class Process:
+    """One process of a two-machine job, as save_checkpoint sees it: wait_for_everyone is a barrier, and
+    save_state writes this process's file (accelerate: the main process the model, each its RNG state)."""
+
+    def __init__(self, rank, barrier):
+        self.rank, self.barrier = rank, barrier
+        self.is_main_process, self.is_local_main_process = rank == 0, True  # one process per machine
+
+    def wait_for_everyone(self):
+        self.barrier.wait(timeout=10)
+
+    def save_state(self, folder):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / f"random_states_{self.rank}.pkl").write_text("state")
+
+
+@pytest.mark.parametrize("shared_file_system", [True, False])
+def test_checkpoints_on_two_machines_are_completed_once_on_each_file_system(tmp_path, shared_file_system):
+    barrier = threading.Barrier(2)
+    folders = [tmp_path / "shared"] * 2 if shared_file_system else [tmp_path / "m0", tmp_path / "m1"]
+    state = {"global_step": 1}
+    machines = [
+        threading.Thread(target=train.save_checkpoint, args=(Process(rank, barrier), folders[rank], state, 0))
+        for rank in (0, 1)
+    ]
+    for machine in machines:
+        machine.start()
+    for machine in machines:
+        machine.join(timeout=30)
+    expected = {"random_states_0.pkl", "random_states_1.pkl"} if shared_file_system else None
+    for rank, folder in enumerate(folders):
+        assert [path.name for path in folder.iterdir()] == ["step_1"]  # no .partial left
+        written = {path.name for path in (folder / "step_1").iterdir()}
+        assert written == (expected or {f"random_states_{rank}.pkl"}) | {"trainer_state.json"}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -186,3 +223,67 @@ def test_out_of_memory_halves_the_chunk_and_keeps_the_gradients(
     assert max((auto[name] - small[name]).abs().max().item() for name in small) <= 1e-6
     assert [value for _, value in logged_scalars(tmp_path / "auto")["train/chunk_size"]] == [2, 2]
     assert not math.isnan(dict(logged_scalars(tmp_path / "auto")["train/loss"])[2])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fp16: the loss scaler's overflows are skipped steps, never bad ones
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_fp16_overflows_are_skipped_by_the_scaler_and_training_goes_on(tmp_path, data, model_without_dropout):
+    """accelerate's real fp16 path on a CPU (float16 autocast, a CPU GradScaler: see tests/faults), starting
+    at a scale that overflows the first steps, more of them in a row than --max_bad_steps; a NaN loss at
+    step 5 is a bad step, and must leave the scaler working."""
+    args = ("--model", model_without_dropout, "--data", data[0], "--max_steps", 6, "--save_steps", 3)
+    faults = {"GRADCACHE_FP16_SCALER": str(2.0**20), "GRADCACHE_FAULT_NAN": "5"}
+    done = launch_with_faults(tmp_path, *args, "--max_bad_steps", 2, faults=faults)
+    assert "mixed_precision: fp16" in done.stdout
+    logged = {tag: dict(values) for tag, values in logged_scalars(tmp_path).items()}
+    scales, skipped = logged["train/loss_scale"], logged["train/skipped_steps"]
+    overflows = [step for step in scales if scales[step] < scales.get(step - 1, 2.0**20)]
+    assert len(overflows) > 2 and overflows == list(range(1, len(overflows) + 1))  # the first steps
+    assert all(f"step {step}: fp16 overflow, update skipped" in done.stdout for step in overflows)
+    assert logged["train/nonfinite_steps"] == {step: float(step >= 5) for step in range(1, 7)}
+    assert skipped[6] == len(overflows) + 1  # the overflows and the NaN, no more
+    assert "step 5: loss or gradient not finite, update skipped" in done.stdout
+    initial, final = weights(model_without_dropout), weights(tmp_path / "final")
+    if len(overflows) >= 3:  # no overflowing update reached the weights
+        step_3 = checkpoint_weights(tmp_path / "checkpoints" / "step_3")
+        assert all(torch.equal(step_3[name], initial[name]) for name in step_3)
+    assert all(torch.isfinite(value).all() for value in final.values())
+    assert max(float((final[name] - initial[name]).abs().max()) for name in initial) > 1e-4  # it trained
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Out of memory where the processes cannot agree: the job ends, with the chunk size to use, and never hangs
+# ---------------------------------------------------------------------------------------------------------
+
+
+def zero3_partitioning_everything(folder):
+    """The shipped ZeRO-3 config with every parameter partitioned, so that each forward gathers them."""
+    deepspeed_config = json.loads((CONFIGS / "deepspeed" / "zero3.json").read_text())
+    deepspeed_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    (folder / "zero3.json").write_text(json.dumps(deepspeed_config))
+    config = folder / "zero3.yaml"
+    shipped = (CONFIGS / "deepspeed_zero3.yaml").read_text()
+    config.write_text(shipped.replace("accelerate_configs/deepspeed/zero3.json", str(folder / "zero3.json")))
+    return config
+
+
+@pytest.mark.parametrize("backend", ["zero3", "ddp"])
+def test_out_of_memory_on_one_process_ends_every_process(backend, tmp_path, data, model_without_dropout):
+    """ZeRO-3: rank 1 runs out in a forward of stage 1, while rank 0 gathers parameters for the next one.
+    DDP: rank 1 runs out in the backward that synchronizes, while rank 0 waits in its all-reduce (with
+    --auto_chunk_size, which would otherwise redo the step alone)."""
+    args = ("--model", model_without_dropout, "--data", data[0], "--max_steps", 2, "--eval_steps", 0)
+    env = {"PYTHONPATH": f"{FAULTS}{os.pathsep}{Path(__file__).parents[1]}", "GRADCACHE_FAULT_RANK": "1"}
+    if backend == "zero3":
+        config, env = zero3_partitioning_everything(tmp_path), env | {"GRADCACHE_FAULT_OOM_FORWARD": "2"}
+    else:
+        config, args = CONFIGS / "cpu_ddp_2proc.yaml", (*args, "--auto_chunk_size")
+        env |= {"GRADCACHE_FAULT_OOM_SYNC": "1", "ACCELERATE_USE_CPU": "true"}
+    done = launch(config, tmp_path / "run", *RUN, *args, processes=2, env=env, check=False, timeout=240)
+    assert done.returncode != 0
+    assert "ran out of memory" in done.stderr and "Relaunch with that --chunk_size" in done.stderr
+    assert "chunk size of 1 or less" in done.stderr  # chunks of 3
+    assert not (tmp_path / "run" / "final").exists()

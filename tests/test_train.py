@@ -9,6 +9,7 @@ import gzip
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -88,7 +89,9 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def launch(config, output_dir, *args, processes=1, env=None, check=True, script=REPO / "train.py"):
+def launch(
+    config, output_dir, *args, processes=1, env=None, check=True, timeout=600, script=REPO / "train.py"
+):
     """`accelerate launch --config_file <config> train.py ...`, from the folder of `script`; returns the
     finished process."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
@@ -101,7 +104,7 @@ def launch(config, output_dir, *args, processes=1, env=None, check=True, script=
         env=environment | (env or {}),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
     if check:
         assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
@@ -139,9 +142,11 @@ BACKEND_ARGS += ("--wandb_mode", "disabled")
 
 @pytest.fixture(scope="module")
 def reference_runs(tmp_path_factory, data, model_without_dropout):
-    """Uninterrupted plain runs, one process on cpu.yaml and two DDP processes on cpu_ddp_2proc.yaml."""
+    """Uninterrupted plain runs, one process on cpu.yaml and two DDP processes on cpu_ddp_2proc.yaml, with a
+    checkpoint at step 2 to resume from."""
     folder = tmp_path_factory.mktemp("reference")
     common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS)
+    common += ("--save_steps", 2)
     launch(CONFIGS / "cpu.yaml", folder / "one", *common)
     two = {"ACCELERATE_USE_CPU": "true"}  # see the comment in cpu_ddp_2proc.yaml
     launch(CONFIGS / "cpu_ddp_2proc.yaml", folder / "two", *common, processes=2, env=two)
@@ -194,6 +199,55 @@ def test_end_to_end_run_logs_saves_and_resumes_exactly(tmp_path, data, model_wit
     assert [step for step, _ in logged_scalars(tmp_path / "resumed")["train/loss"]] == [5, 6]
     resumed_final = weights(tmp_path / "resumed" / "final")
     assert all(torch.equal(final[name], resumed_final[name]) for name in final)
+
+
+def test_two_processes_resume_bit_for_bit_with_logs_evaluation_and_checkpoints_off(
+    tmp_path, data, model_without_dropout, reference_runs
+):
+    """'latest' is found by the main process and sent to the other. 0 turns --eval_steps, --log_steps and
+    --save_steps off (each crashed at step 3 before)."""
+    common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS)
+    off = ("--eval_steps", 0, "--log_steps", 0, "--save_steps", 0)
+    shutil.copytree(reference_runs[2] / "checkpoints" / "step_2", tmp_path / "checkpoints" / "step_2")
+    two = {"ACCELERATE_USE_CPU": "true"}
+    done = launch(
+        CONFIGS / "cpu_ddp_2proc.yaml", tmp_path, *common, *off, "--resume_from_checkpoint", "latest",
+        processes=2, env=two,
+    )  # fmt: skip
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step_2'}" in done.stdout
+    resumed, reference = weights(tmp_path / "final"), weights(reference_runs[2] / "final")
+    assert all(torch.equal(resumed[name], reference[name]) for name in reference)
+    assert [path.name for path in (tmp_path / "checkpoints").iterdir()] == ["step_2"]
+    assert not [tag for tag in logged_scalars(tmp_path) if tag.startswith(("train/", "eval/"))]
+
+
+def test_resume_with_another_learning_rate_follows_the_new_schedule():
+    """What main() does on resume: load_state restores the checkpoint's rates into the optimizer and the
+    scheduler, then set_peak_learning_rate takes --lr. From there the rates are those of a run that had
+    --lr from the start; without it, the checkpoint's (the bug: --lr did nothing)."""
+    from transformers import get_scheduler
+
+    def optimizer_and_schedule(learning_rate, steps_done):
+        adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=learning_rate)
+        scheduler = get_scheduler("cosine", adamw, num_warmup_steps=2, num_training_steps=10)
+        for _ in range(steps_done):
+            adamw.step()
+            scheduler.step()
+        return adamw, scheduler
+
+    checkpoint = optimizer_and_schedule(1e-3, steps_done=4)
+    adamw, scheduler = optimizer_and_schedule(5e-4, steps_done=0)
+    adamw.load_state_dict(checkpoint[0].state_dict())
+    scheduler.load_state_dict(checkpoint[1].state_dict())
+    assert scheduler.get_last_lr() == checkpoint[1].get_last_lr()
+    train.set_peak_learning_rate(scheduler, 5e-4)
+    reference_adamw, reference = optimizer_and_schedule(5e-4, steps_done=4)
+    for _ in range(6):
+        assert scheduler.get_last_lr() == pytest.approx(reference.get_last_lr(), rel=1e-12)
+        assert adamw.param_groups[0]["lr"] == pytest.approx(reference_adamw.param_groups[0]["lr"], rel=1e-12)
+        for optimizer, schedule in ((adamw, scheduler), (reference_adamw, reference)):
+            optimizer.step()
+            schedule.step()
 
 
 def test_chunked_run_reaches_sentence_transformers_full_batch_weights(
@@ -265,7 +319,10 @@ def test_deepspeed_reproduces_the_plain_run(
     tmp_path, data, model_without_dropout, reference_runs, config, processes
 ):
     common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS)
-    done = launch_deepspeed(CONFIGS / config, tmp_path, *common, processes=processes)
+    resume_too = (config, processes) == ("deepspeed_zero2.yaml", 2)  # and resume from step 2, bit for bit
+    done = launch_deepspeed(
+        CONFIGS / config, tmp_path, *common, *(("--save_steps", 2) if resume_too else ()), processes=processes
+    )
     assert "DistributedType.DEEPSPEED" in done.stdout and f"processes: {processes}" in done.stdout
     saved = weights(tmp_path / "final")
     difference = max_difference(saved, weights(reference_runs[processes] / "final"))
@@ -278,6 +335,13 @@ def test_deepspeed_reproduces_the_plain_run(
         assert [value for _, value in logged[tag]] == pytest.approx(
             [value for _, value in reference[tag]], rel=1e-4
         )
+    if resume_too:
+        step_2 = tmp_path / "checkpoints" / "step_2"
+        launch_deepspeed(
+            CONFIGS / config, tmp_path / "resumed", *common, "--resume_from_checkpoint", step_2, processes=2
+        )
+        resumed = weights(tmp_path / "resumed" / "final")
+        assert all(torch.equal(resumed[name], saved[name]) for name in saved)
 
 
 def test_zero3_saves_partitioned_weights_whole(tmp_path, data, model_without_dropout, reference_runs):
@@ -299,6 +363,11 @@ def test_zero3_saves_partitioned_weights_whole(tmp_path, data, model_without_dro
     saved = weights(tmp_path / "run" / "final")
     assert max_difference(saved, engine_weights(tmp_path / "run" / "checkpoints" / "step_3")) == 0
     assert max_difference(saved, weights(reference_runs[2] / "final")) < TOLERANCE
+    # The file itself, as a tool reading it by name sees it: the names of the plain run (not gamma/beta).
+    saved_file, plain_file = (
+        load_file(run / "final" / "model.safetensors") for run in (tmp_path / "run", reference_runs[2])
+    )
+    assert max_difference(saved_file, plain_file) < TOLERANCE
 
 
 def test_bf16_run_trains(tmp_path, data, model_without_dropout):
@@ -353,6 +422,10 @@ def test_argument_errors_say_what_to_do(capsys):
     )
     fails_with(capsys, lambda: train.parse_args(["--columns", "query=q"]), "--columns: cannot read 'query=q'")
     assert train.parse_args(["--batch_size", "8", "--chunk_size", "8"]).chunk_size == 8
+    fails_with(
+        capsys, lambda: train.parse_args(["--save_steps", "-1"]), "--save_steps must be 0 (off) or more"
+    )
+    assert train.parse_args(["--eval_steps", "0", "--log_steps", "0", "--save_steps", "0"]).save_steps == 0
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,16 @@ this module at start-up. Without a GRADCACHE_FAULT_* variable it does nothing.
   GRADCACHE_FAULT_INF=<b>[,<b>...]                 infinite parameter gradients at these steps
   GRADCACHE_FAULT_OOM_ABOVE=<n>                    chunks over n examples raise torch.OutOfMemoryError in
                                                    their backward, as a GPU would
+  GRADCACHE_FAULT_OOM_SYNC=1                       the backward that synchronizes the processes raises
+                                                   torch.OutOfMemoryError (where the others already wait)
+  GRADCACHE_FAULT_OOM_FORWARD=<n>                  the n-th forward of the run raises torch.OutOfMemoryError
   GRADCACHE_FAULT_RANK=<r>                         only process r is faulty (default: all)
+
+Not a fault but a stand-in, on every process:
+  GRADCACHE_FP16_SCALER=<initial scale>            accelerate's real fp16 path on a CPU: float16 autocast and
+                                                   torch.amp.GradScaler("cpu") starting at this scale, where
+                                                   accelerate itself would train in fp32; on a GPU,
+                                                   accelerate's own GradScaler, starting at this scale
 """
 
 import os
@@ -56,14 +65,48 @@ def install_kill(point, nth):
     os.replace = killing_replace
 
 
+def install_fp16_scaler(initial_scale):
+    """On a GPU, accelerate's GradScaler with this initial scale. On a CPU, after accelerate's own set-up,
+    what it does for fp16 on a GPU (accelerator.py, "Mixed precision attributes") with torch's CPU scaler."""
+    import accelerate
+    import torch
+
+    setup = accelerate.Accelerator.__init__
+
+    def fp16_setup(self, *args, **kwargs):
+        if torch.cuda.is_available():
+            handlers = [
+                *kwargs.pop("kwargs_handlers", []),
+                accelerate.GradScalerKwargs(init_scale=initial_scale),
+            ]
+            return setup(self, *args, **kwargs, kwargs_handlers=handlers)
+        setup(self, *args, **kwargs | {"mixed_precision": "fp16"})
+        self.native_amp = True
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=initial_scale)
+
+    accelerate.Accelerator.__init__ = fp16_setup
+
+
 def install_step_faults():
+    import accelerate
     import torch
 
     import gradcache
 
     cache, backpropagate = gradcache.cache_representation_gradients, gradcache.backpropagate_cache
-    step = {"count": 0}
+    gradcache_step = gradcache.gradcache_step
+    step = {"count": 0, "forwards": 0}
     oom_above = int(FAULTS.get("GRADCACHE_FAULT_OOM_ABOVE", 0))
+    oom_forward = int(FAULTS.get("GRADCACHE_FAULT_OOM_FORWARD", 0))
+
+    def faulty_step(encoder, *args, **kwargs):
+        def counting_encoder(features):
+            step["forwards"] += 1
+            if step["forwards"] == oom_forward:
+                raise torch.OutOfMemoryError("CUDA out of memory (test double)")
+            return encoder(features)
+
+        return gradcache_step(counting_encoder, *args, **kwargs)
 
     def faulty_cache(*args):
         step["count"] += 1
@@ -75,14 +118,20 @@ def install_step_faults():
     def faulty_backpropagate(group, reps, rep_grads, backward):
         if oom_above and max(len(index) for _, index in group) > oom_above:
             raise torch.OutOfMemoryError("CUDA out of memory (test double)")
+        if "GRADCACHE_FAULT_OOM_SYNC" in FAULTS and accelerate.state.GradientState().sync_gradients:
+            raise torch.OutOfMemoryError("CUDA out of memory (test double)")
         if step["count"] in steps("GRADCACHE_FAULT_INF"):
             return backpropagate(group, reps, rep_grads, lambda surrogate: backward(surrogate * float("inf")))
         return backpropagate(group, reps, rep_grads, backward)
 
     gradcache.cache_representation_gradients = faulty_cache
     gradcache.backpropagate_cache = faulty_backpropagate
+    if oom_forward:
+        gradcache.gradcache_step = faulty_step
 
 
+if "GRADCACHE_FP16_SCALER" in os.environ:
+    install_fp16_scaler(float(os.environ["GRADCACHE_FP16_SCALER"]))
 if FAULTS and this_rank_is_faulty():
     if "GRADCACHE_FAULT_KILL" in FAULTS:
         point, nth = FAULTS["GRADCACHE_FAULT_KILL"].split(":")
