@@ -22,7 +22,7 @@ TOLERANCE = 1e-5
 COLUMNS = ("anchor", "positive", "negative_1")
 
 # ---------------------------------------------------------------------------------------------------------
-# Architectures: exact gradients (dropout on) through prepare_model, preprocess and column_encoders
+# Architectures: exact gradients (dropout on) through prepare_model, tokenize and column_encoders
 # ---------------------------------------------------------------------------------------------------------
 
 ARCHITECTURES = {
@@ -76,7 +76,7 @@ def test_each_architecture_is_exact_with_dropout(tmp_path, name):
     model.train(), reference.train()
 
     prompts = train.role_prompts(model, args.query_prompt, args.document_prompt)
-    columns = [train.preprocess(model, c, column_texts(i), prompts) for i, c in enumerate(COLUMNS)]
+    columns = [train.tokenize(model, column_texts(i), c, prompts) for i, c in enumerate(COLUMNS)]
     if args.query_prompt:
         assert columns[0]["prompt_length"] == 3 and "prompt_length" not in columns[1]  # [CLS] w1 w2
     if kind == "decoder":
