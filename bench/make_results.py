@@ -391,12 +391,19 @@ def main(argv=None):
             lines += ["", f"### {preset.upper()}", "", section_text(results_dir, name, preset, output)]
     lines += [
         "",
-        "## Filling in the GPU column",
+        "## Regenerating every section at one commit",
         "",
-        "On a machine with one GPU, from the repository root: one command per benchmark, each preset sized "
-        "for a few minutes on an H200 (estimates: the GPU presets have not run yet), then the assembly. "
-        "Where the results must travel back (the project's device tool returns what is written under "
-        "$OUT), add `--out_dir $OUT` to each and copy the files into bench/results/ before assembling.",
+        "Commit first: a script refuses to run on uncommitted changes (its outputs, bench/results/ and this "
+        "file, excepted), so that each section names the commit that ran. Then, from the repository root "
+        "on a quiet machine, one command per benchmark and the assembly; commit the results after:",
+        "",
+        *(f"    python bench/{name}.py{DEVICES['cpu']}" for name in SECTIONS),
+        "    python bench/make_results.py",
+        "",
+        "On a machine with one GPU the same with the GPU presets, each sized for minutes on an H200 "
+        "(estimates: the GPU presets have not run yet). Where the results must travel back (the project's "
+        "device tool returns what is written under $OUT), add `--out_dir $OUT` to each and copy the files "
+        "into bench/results/ before assembling.",
         "",
         *(f"    python bench/{name}.py{DEVICES['gpu']}" for name in SECTIONS),
         "    python bench/make_results.py",

@@ -15,9 +15,9 @@ Three parts, on anchor, positive and hard-negative columns (d = 384 representati
     c. time    seconds of stage 2 alone, tiled against materialized, in one process, alternating, where
                both fit: the median of the per-round ratios.
 
-    python bench/scale.py                               # CPU: batches 64..65,536; see RESULTS.md for times
-    python bench/scale.py --device cuda --preset gpu    # one H200: batches 64..1,048,576, full model
-    python bench/scale.py --preset smoke                # seconds: the test suite runs this
+    python bench/scale.py                             # CPU: to 65,536; about 40 min on 2 quiet cores (est.)
+    python bench/scale.py --device cuda --preset gpu  # one H200: to 1,048,576, full model; 10-15 min (est.)
+    python bench/scale.py --preset smoke              # seconds: the test suite runs this
 
 Writes bench/results/scale_<preset>.{json,md,png}.
 """
@@ -53,14 +53,14 @@ PRESETS = {
         "full_model_max_batch": 2**20,
         "cut_layers": 1,
         "chunk_size": 256,
-        "chunk_tokens": harness.default_chunk_tokens(16384),
+        "chunk_tokens": harness.default_chunk_tokens(65536),
         "loss_batch_sizes": [2**k for k in range(10, 21, 2)],  # 1024 .. 1,048,576
         "loss_cap_gib": None,
         "time_batch_sizes": [1024, 4096, 16384, 65536],
         "time_rounds": 3,
     },
     # the test suite's: one step of the cut model, and a loss batch where the materialized loss does not
-    # fit under a small cap (it needs about 108 MiB) and the tiled one does
+    # fit under a small cap (it needs about 108 MiB; the tiled one, with 2048 x 2048 tiles, 55 MiB)
     "smoke": {
         "step_batch_sizes": [16],
         "full_model_max_batch": 0,
@@ -68,7 +68,7 @@ PRESETS = {
         "chunk_size": 4,
         "chunk_tokens": harness.default_chunk_tokens(64),
         "loss_batch_sizes": [2048],
-        "loss_cap_gib": 0.0625,
+        "loss_cap_gib": 80 / 1024,
         "time_batch_sizes": [256],
         "time_rounds": 1,
     },
@@ -226,7 +226,7 @@ def steps_table(points, args):
 
 def loss_memory_table(points, args):
     by_key = {(p["kind"], p["batch_size"]): p for p in points}
-    cap = "device memory" if args.loss_cap_gib is None else f"{args.loss_cap_gib:g} GiB"
+    cap = "device memory" if args.loss_cap_gib is None else f"{harness.mib(args.loss_cap_gib * 2**30)} MiB"
 
     def cell(kind, batch_size):
         point = by_key.get((kind, batch_size))
@@ -310,7 +310,7 @@ def plot(results, args, path):
                 marker="x",
                 linestyle="none",
                 color="black",
-                label=f"{kind}: did not fit in {args.loss_cap_gib:g} GiB",
+                label=f"{kind}: did not fit in {harness.mib(args.loss_cap_gib * 2**30)} MiB",
             )
     harness.log_axes(loss_axes, "MiB above the inputs", "b. The loss stage alone")
     harness.save_figure(figure, path)
