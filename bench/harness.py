@@ -98,11 +98,9 @@ def load_texts(num_rows, seed=0, repeat=False):
     dataset = datasets.load_dataset("json", data_files=str(TRAIN_FILE), split="train").shuffle(seed=seed)
     if num_rows > len(dataset) and not repeat:
         raise ValueError(f"{num_rows} rows asked for, the training file has {len(dataset)}")
-    rows = [dataset[column] for column in COLUMNS]
-    return {
-        column: [texts[i % len(texts)] for i in range(num_rows)]
-        for column, texts in zip(COLUMNS, rows, strict=True)
-    }
+    rows = dataset.select(range(min(num_rows, len(dataset))))
+    columns = {column: rows[column] for column in COLUMNS}
+    return {column: [texts[i % len(texts)] for i in range(num_rows)] for column, texts in columns.items()}
 
 
 def tokenize(model, texts, start, batch_size):
@@ -549,6 +547,19 @@ def provenance_markdown(info):
     )
 
 
+def memory_cell(points, series_key, series, batch_size, bytes_key, cap_gib):
+    """A table cell for one point of a series stopped at its first batch that does not fit: its MiB,
+    'did not fit in <cap>', or why there is no point."""
+    point = next((p for p in points if p[series_key] == series and p["batch_size"] == batch_size), None)
+    if point is None:
+        return (
+            "not run (a smaller batch did not fit)" if any(p[series_key] == series for p in points) else "-"
+        )
+    if point["fits"]:
+        return mib(point[bytes_key])
+    return "did not fit in " + ("device memory" if cap_gib is None else f"{mib(cap_gib * 2**30)} MiB")
+
+
 def markdown_table(header, rows):
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
@@ -603,12 +614,12 @@ def save_figure(figure, path):
     pyplot.close(figure)
 
 
-def run_benchmark(name, parser, presets, measure, render, argv=None):
+def run_benchmark(name, parser, presets, measure, table, plot, image, argv=None):
     """Parse, fill in the preset, measure, save `<name>_<preset>.json`, then render it.
 
-    `measure(args)` returns what is saved under "results"; `render(results, args, png_path)` draws the
-    plot and returns (markdown, image description). The markdown file gets the provenance on top and the
-    plot below; --render_only redoes both from the saved json, so that a table can change alone.
+    `measure(args)` returns what is saved under "results"; `table(results, args)` makes its markdown and
+    `plot(results, args, png_path)` its plot, described by `image`. The markdown file gets the provenance
+    on top and the plot below; --render_only redoes both from the saved json, so a table can change alone.
     """
     args = parser.parse_args(argv)
     args.preset = args.preset or ("gpu" if args.device.startswith("cuda") else "cpu")
@@ -625,10 +636,14 @@ def run_benchmark(name, parser, presets, measure, render, argv=None):
             json.dumps({"provenance": info, "settings": vars(args), "results": results}, indent=1)
         )
     saved = json.loads(json_path.read_text())
-    settings = argparse.Namespace(**saved["settings"])
-    markdown, image = render(saved["results"], settings, json_path.with_suffix(".png"))
+    results, settings = saved["results"], argparse.Namespace(**saved["settings"])
+    plot(results, settings, json_path.with_suffix(".png"))
     markdown = "\n\n".join(
-        [provenance_markdown(saved["provenance"]), markdown, f"![{image}]({json_path.stem}.png)"]
+        [
+            provenance_markdown(saved["provenance"]),
+            table(results, settings),
+            f"![{image}]({json_path.stem}.png)",
+        ]
     )
     json_path.with_suffix(".md").write_text(markdown + "\n")
     print(markdown)

@@ -375,7 +375,9 @@ def main(argv=None):
         "data/wordnet_train.jsonl.gz, in-batch negatives with cosine similarity (`contrastive_loss` at "
         "`harness.SCALE`), computed three ways: **plain** (the full batch through the model at once), "
         "**ours** (`gradcache.gradcache_step`) and **ST cached** (sentence-transformers' "
-        "`CachedMultipleNegativesRankingLoss`) at the same chunk.",
+        "`CachedMultipleNegativesRankingLoss`) at the same chunk: the same number of examples, or the same "
+        "token budget where a section says so. Section 5 also measures the loss stage alone on random "
+        "representations.",
         "",
         f"## Targets (checked on the {checked} results)",
         "",

@@ -92,13 +92,9 @@ def measure(args):
 
 def table(points, args):
     by_key = {(p["method"], p["batch_size"]): p for p in points}
-    cap = "device memory" if args.cap_gib is None else f"{args.cap_gib:g} GiB"
 
     def cell(method, batch_size):
-        point = by_key.get((method, batch_size))
-        if point is None:
-            return "not run (a smaller batch did not fit)" if method in {p["method"] for p in points} else "-"
-        return harness.mib(point["step_peak_bytes"]) if point["fits"] else f"did not fit in {cap}"
+        return harness.memory_cell(points, "method", method, batch_size, "step_peak_bytes", args.cap_gib)
 
     ours_reference = next(
         (by_key[("ours", b)] for b in (64, *args.batch_sizes) if ("ours", b) in by_key),
@@ -150,12 +146,6 @@ def chunking_description(args):
     return f"chunk {args.chunk_size}"
 
 
-def render(points, args, path):
-    """The table, and the plot drawn into `path`."""
-    plot(points, args, path)
-    return table(points, args), "memory vs batch size"
-
-
 def plot(points, args, path):
     figure, axes = plt.subplots(figsize=(7, 4.5))
     for method in args.methods:
@@ -186,7 +176,7 @@ def plot(points, args, path):
 
 
 def main(argv=None):
-    harness.run_benchmark("memory", parser, PRESETS, measure, render, argv)
+    harness.run_benchmark("memory", parser, PRESETS, measure, table, plot, "memory vs batch size", argv)
 
 
 if __name__ == "__main__":

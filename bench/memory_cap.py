@@ -154,13 +154,9 @@ def measure(args):
     return [search(method, args) for method in args.methods]
 
 
-def render(results, args, path):
-    plot(results, args, path)
-    return table(results, args), "largest batch under a memory cap"
-
-
 def main(argv=None):
-    harness.run_benchmark("memory_cap", parser, PRESETS, measure, render, argv)
+    image = "largest batch under a memory cap"
+    harness.run_benchmark("memory_cap", parser, PRESETS, measure, table, plot, image, argv)
 
 
 if __name__ == "__main__":

@@ -175,7 +175,7 @@ def table(runs, args):
     )
 
 
-def plot(runs, path):
+def plot(runs, args, path):
     figure, axes = plt.subplots(figsize=(6, 4))
     trained = [run for run in runs if run["batch_size"]]
     axes.plot(
@@ -194,13 +194,9 @@ def plot(runs, path):
     plt.close(figure)
 
 
-def render(runs, args, path):
-    plot(runs, path)
-    return table(runs, args), "dev MRR@10 against the batch size"
-
-
 def main(argv=None):
-    harness.run_benchmark("quality", parser, PRESETS, measure, render, argv)
+    image = "dev MRR@10 against the batch size"
+    harness.run_benchmark("quality", parser, PRESETS, measure, table, plot, image, argv)
 
 
 if __name__ == "__main__":

@@ -65,8 +65,8 @@ PRESETS = {
         "step_batch_sizes": [16],
         "full_model_max_batch": 0,
         "cut_layers": 1,
-        "chunk_size": 4,
-        "chunk_tokens": harness.default_chunk_tokens(64),
+        "chunk_size": 8,
+        "chunk_tokens": harness.default_chunk_tokens(256),
         "loss_batch_sizes": [2048],
         "loss_cap_gib": 80 / 1024,
         "time_batch_sizes": [256],
@@ -226,13 +226,9 @@ def steps_table(points, args):
 
 def loss_memory_table(points, args):
     by_key = {(p["kind"], p["batch_size"]): p for p in points}
-    cap = "device memory" if args.loss_cap_gib is None else f"{harness.mib(args.loss_cap_gib * 2**30)} MiB"
 
     def cell(kind, batch_size):
-        point = by_key.get((kind, batch_size))
-        if point is None:
-            return "not run (a smaller batch did not fit)" if any(p["kind"] == kind for p in points) else "-"
-        return harness.mib(point["added_bytes"]) if point["fits"] else f"did not fit in {cap}"
+        return harness.memory_cell(points, "kind", kind, batch_size, "added_bytes", args.loss_cap_gib)
 
     rows = []
     for batch_size in args.loss_batch_sizes:
@@ -316,18 +312,18 @@ def plot(results, args, path):
     harness.save_figure(figure, path)
 
 
-def render(results, args, path):
-    plot(results, args, path)
+def table(results, args):
     tables = [
         steps_table(results["steps"], args),
         loss_memory_table(results["loss_memory"], args),
         loss_time_table(results["loss_time"], args),
     ]
-    return "\n\n".join(tables), "memory of the step and of the loss stage against the batch size"
+    return "\n\n".join(tables)
 
 
 def main(argv=None):
-    harness.run_benchmark("scale", parser, PRESETS, measure, render, argv)
+    image = "memory of the step and of the loss stage against the batch size"
+    harness.run_benchmark("scale", parser, PRESETS, measure, table, plot, image, argv)
 
 
 if __name__ == "__main__":

@@ -295,7 +295,7 @@ def time_cell(measurement, name):
     return f"{median_seconds(measurement['runs'], name):.2f}" if name in measurement["runs"] else "-"
 
 
-def tables(results, args):
+def table(results, args):
     agreement = results["agreement"]
     names = {"plain": "plain", "ours": "ours", "st": "ST cached"}
     losses = ", ".join(f"{names[m]} {loss:.6f}" for m, loss in agreement["losses"].items())
@@ -369,7 +369,7 @@ def tables(results, args):
     return "\n\n".join(sections)
 
 
-def plot(results, path):
+def plot(results, args, path):
     """Per batch, each variant's step time over ours': median of the per-round ratios, bars their range."""
     figure, axes = plt.subplots(figsize=(8, 4.5))
     measurements = results["measurements"]
@@ -394,13 +394,8 @@ def plot(results, path):
     plt.close(figure)
 
 
-def render(results, args, path):
-    plot(results, path)
-    return tables(results, args), "step time relative to ours"
-
-
 def main(argv=None):
-    harness.run_benchmark("speed", parser, PRESETS, measure, render, argv)
+    harness.run_benchmark("speed", parser, PRESETS, measure, table, plot, "step time relative to ours", argv)
 
 
 if __name__ == "__main__":
