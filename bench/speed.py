@@ -336,7 +336,7 @@ def table(results, args):
             f"; token budget {args.chunk_tokens} (ours: padded tokens per chunk; ST cached: its "
             "mini_batch_num_tokens, tokens without padding). "
             if getattr(args, "chunk_tokens", None)
-            else " (no token budget: gradcache_step at this commit chunks by count only). "
+            else " (no token budget in this run). "
         )
         + "Below 1 means the first is faster. Plain runs up to batch "
         f"{args.plain_max_batch} (the memory benchmark shows what it needs beyond), ours with its switches "
