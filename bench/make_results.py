@@ -269,8 +269,8 @@ def scale_targets(saved):
     for batch, limit in LOSS_STAGE_TARGETS.items():
         target = f"loss stage: a step at batch {batch:,} adds at most {mib(limit)} beyond its inputs"
         point = steps.get(batch)
-        if point is None:
-            rows.append([target, "-", "not measured"])
+        if point is None or not point["fits"]:
+            rows.append([target, "-", "missed: the step did not fit" if point else "not measured"])
             continue
         added = point["phase_added_bytes"]["loss"]
         rows.append([target, f"{mib(added)} ({model_name(point)})", verdict(added, limit)])
@@ -291,6 +291,9 @@ def scale_targets(saved):
     point = steps.get(FULL_STEP_BATCH)
     if point is None:
         rows.append([target, "-", "not measured"])
+    elif not point["fits"]:
+        cap = saved["settings"].get("step_cap_gib")
+        rows.append([target, f"did not fit in {cap:g} GiB" if cap else "did not fit", "missed"])
     else:
         process_peak = point["baseline_bytes"] + point["step_peak_bytes"]
         ram = saved["provenance"].get("ram_bytes")

@@ -40,6 +40,7 @@ PRESETS = {
         "step_batch_sizes": [4**k for k in range(3, 9)],  # 64 .. 65,536
         "full_model_max_batch": 1024,
         "cut_layers": 1,
+        "step_cap_gib": 20.0,  # of the 24 GiB machine: a step beyond it is reported, not swapped
         "chunk_size": 32,
         "chunk_tokens": harness.default_chunk_tokens(1024),
         # the materialized loss needs about 6.5 GiB at 16,384 and 26 GiB at 32,768
@@ -52,6 +53,7 @@ PRESETS = {
         "step_batch_sizes": [4**k for k in range(3, 11)],  # 64 .. 1,048,576
         "full_model_max_batch": 2**20,
         "cut_layers": 1,
+        "step_cap_gib": None,
         "chunk_size": 256,
         "chunk_tokens": harness.default_chunk_tokens(65536),
         "loss_batch_sizes": [2**k for k in range(10, 21, 2)],  # 1024 .. 1,048,576
@@ -65,6 +67,7 @@ PRESETS = {
         "step_batch_sizes": [16],
         "full_model_max_batch": 0,
         "cut_layers": 1,
+        "step_cap_gib": None,
         "chunk_size": 8,
         "chunk_tokens": harness.default_chunk_tokens(256),
         "loss_batch_sizes": [2048],
@@ -80,6 +83,7 @@ parser = harness.benchmark_parser(__doc__, PRESETS)
 parser.add_argument("--step_batch_sizes", type=int, nargs="+", help="batches of part a")
 parser.add_argument("--full_model_max_batch", type=int, help="above it, part a uses the cut model")
 parser.add_argument("--cut_layers", type=int, help="transformer layers the cut model keeps")
+parser.add_argument("--step_cap_gib", type=float, help="memory a step may use above the process before it")
 parser.add_argument("--chunk_size", type=int, help="examples per chunk where there is no token budget")
 parser.add_argument("--chunk_tokens", type=int, help="padded tokens per chunk (part a)")
 parser.add_argument("--loss_batch_sizes", type=int, nargs="+", help="batches of part b")
@@ -102,6 +106,8 @@ def measure_point(args, worker, **kwargs):
 
 
 def measure_steps(args):
+    """Every batch of part a, up to the first that does not fit."""
+    cap_bytes = None if args.step_cap_gib is None else int(args.step_cap_gib * 2**30)
     points = []
     for batch_size in args.step_batch_sizes:
         point = measure_point(
@@ -113,9 +119,13 @@ def measure_steps(args):
             chunk_tokens=args.chunk_tokens,
             num_layers=None if batch_size <= args.full_model_max_batch else args.cut_layers,
             tokenize_per_chunk=harness.tokenize_per_chunk_available(),
+            cap_bytes=cap_bytes,
         )
         points.append(point)
-        print(f"step batch {batch_size:>8}: {harness.mib(point['step_peak_bytes'])} MiB", flush=True)
+        shown = f"{harness.mib(point['step_peak_bytes'])} MiB" if point["fits"] else "did not fit"
+        print(f"step batch {batch_size:>8}: {shown}", flush=True)
+        if not point["fits"]:
+            break
     return points
 
 
@@ -186,6 +196,7 @@ def model_description(point):
 
 
 def steps_table(points, args):
+    cap = getattr(args, "step_cap_gib", None)
     rows = [
         [
             point["batch_size"],
@@ -196,6 +207,8 @@ def steps_table(points, args):
             harness.mib(point["phase_added_bytes"]["loss"]),
             f"{point['seconds']:.0f}",
         ]
+        if point["fits"]
+        else [point["batch_size"], model_description(point), "-", *[f"did not fit in {cap:g} GiB"] * 3, "-"]
         for point in points
     ]
     chunks = f"chunk {args.chunk_size}"
@@ -283,7 +296,7 @@ def loss_time_table(points, args):
 
 def plot(results, args, path):
     figure, (steps_axes, loss_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
-    steps = results["steps"]
+    steps = [point for point in results["steps"] if point["fits"]]
     batches = [p["batch_size"] for p in steps]
     steps_axes.plot(batches, [p["step_peak_bytes"] / 2**20 for p in steps], marker="o", label="step peak")
     steps_axes.plot(
