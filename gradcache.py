@@ -20,7 +20,10 @@ activations but no other example. So one training step is:
                      masks, and back-propagate the surrogate sum_i <r_i, g_i>, whose gradient is the
                      chunk's share of dL/dtheta.
 
-The parameter gradients equal those of the full batch; peak memory is one chunk's activations. Two
+The parameter gradients equal those of the full batch; peak memory is one chunk's activations. Stage 2
+never holds the B x N score matrix either: `contrastive_loss` computes it tile by tile with a running
+log-sum-exp and recomputes the tiles in its backward (Inf-CL, Cheng et al. 2024), so its memory is the
+representations and one tile; across processes each process computes only its own rows. Two
 refinements cost nothing in exactness: the chunk encoded last in stage 1 keeps its graph and is
 back-propagated directly (N chunks cost N - 1 re-encodings), and examples are grouped into chunks by
 length so a chunk pays for its own longest text, not the batch's.
@@ -40,6 +43,7 @@ latter for Hugging Face accelerate without importing it.
 
 import contextlib
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -48,28 +52,173 @@ import torch.nn.functional as F
 from torch import nn
 
 # ---------------------------------------------------------------------------------------------------------
-# Losses on representations: any callable loss(*reps) -> scalar works; reps come in column order.
+# The loss of stage 2, tiled: any callable loss(*reps) -> scalar works; reps come in column order.
 # ---------------------------------------------------------------------------------------------------------
 
 
-def contrastive_loss(anchor, positive, *negatives, scale=20.0, similarity="cos", symmetric=False):
-    """In-batch-negatives InfoNCE (MultipleNegativesRankingLoss).
+def contrastive_loss(
+    anchor,
+    positive,
+    *negatives,
+    scale=20.0,
+    similarity="cos",
+    symmetric=False,
+    tile_size=None,
+    matryoshka_dims=None,
+    matryoshka_weights=None,
+    local_rows=None,
+):
+    """In-batch-negatives InfoNCE (MultipleNegativesRankingLoss), computed tile by tile.
 
-    Anchor i is scored against every positive and every hard negative of the batch; its own positive is
-    the right answer. `scale` is the inverse temperature. `symmetric` adds the document-to-query term:
-    positive i scored against every anchor.
+    With B anchors a_i, N = B(1 + k) candidates c_j (the positives, then k hard-negative columns), the
+    scale tau (inverse temperature) and pos(i) = i the index of anchor i's own positive:
+
+        s_ij = tau <a_i, c_j>,        L = (1 / B) sum_i [ LSE_j(s_ij) - s_i,pos(i) ]
+
+    Each row's term is a cross-entropy over the B x N scores, which `TiledCrossEntropy` computes from
+    tiles, never holding more than one. `similarity="cos"` normalizes the representations first (in
+    autograd: O(B d)); "dot" uses them as they are. `symmetric` averages L with the positive-to-anchor
+    direction, positive i scored against every anchor: a second tiled pass with the roles swapped.
+
+    tile_size:         rows and columns of a score tile. None: 2048, or the longer side of the score
+                       matrix when that is shorter (`default_tile_size`).
+    matryoshka_dims:   the loss becomes sum_m w_m L(m), L(m) the loss on the first m dimensions of every
+                       representation, renormalized whatever `similarity` (as sentence-transformers'
+                       MatryoshkaLoss: weights 1 by default, the full dimension trained only if listed).
+    local_rows:        a slice of the anchors (with `symmetric`, also of the positives) whose terms this
+                       call computes, still divided by the whole B: the share of one process under
+                       cross-process negatives (the candidates are every process's), so that the shares
+                       of all processes sum to L. None computes every row.
     """
-    if similarity == "cos":
-        anchor, positive = F.normalize(anchor, dim=-1), F.normalize(positive, dim=-1)
-        negatives = [F.normalize(negative, dim=-1) for negative in negatives]
-    elif similarity != "dot":
+    if similarity not in ("cos", "dot"):
         raise ValueError(f"similarity must be 'cos' or 'dot', got {similarity!r}")
-    labels = torch.arange(len(anchor), device=anchor.device)
+    rows = slice(0, len(anchor)) if local_rows is None else local_rows
+    columns = [anchor, positive, *negatives]
+    if matryoshka_dims is None:
+        if similarity == "cos":
+            columns = [F.normalize(column, dim=-1) for column in columns]
+        return info_nce(*columns, scale=scale, symmetric=symmetric, rows=rows, tile_size=tile_size)
+    weights = check_matryoshka(matryoshka_dims, matryoshka_weights, anchor.shape[-1])
+    return sum(
+        weight
+        * info_nce(
+            *[F.normalize(column[:, :dim], dim=-1) for column in columns],
+            scale=scale,
+            symmetric=symmetric,
+            rows=rows,
+            tile_size=tile_size,
+        )
+        for dim, weight in zip(matryoshka_dims, weights, strict=True)
+    )
+
+
+def info_nce(anchor, positive, *negatives, scale, symmetric, rows, tile_size):
+    """L of `contrastive_loss` on representations as they are (already normalized for cosine)."""
+    first_row = rows.start or 0  # the global index of the first local row is also that of its positive
     candidates = torch.cat([positive, *negatives])
-    loss = F.cross_entropy(scale * anchor @ candidates.T, labels)
+    loss = tiled_cross_entropy(anchor[rows], candidates, first_row, scale, tile_size).sum() / len(anchor)
     if symmetric:
-        loss = (loss + F.cross_entropy(scale * positive @ anchor.T, labels)) / 2
+        reverse = tiled_cross_entropy(positive[rows], anchor, first_row, scale, tile_size).sum() / len(anchor)
+        loss = (loss + reverse) / 2
     return loss
+
+
+def check_matryoshka(dims, weights, width):
+    weights = [1.0] * len(dims) if weights is None else list(weights)
+    if len(weights) != len(dims):
+        raise ValueError(
+            f"{len(weights)} matryoshka_weights for {len(dims)} matryoshka_dims: give one weight per "
+            "dimension."
+        )
+    for dim in dims:
+        if not isinstance(dim, int) or not 0 < dim <= width:
+            raise ValueError(
+                f"matryoshka dimension {dim!r} is not a prefix of the {width}-dimensional representation: "
+                f"use dimensions between 1 and {width}."
+            )
+    return weights
+
+
+def default_tile_size(rows, columns):
+    """The automatic tile: 2048, or the whole score matrix's longer side when that is shorter.
+
+    A tile must be large enough that its matrix products run at full speed and the loop over tiles costs
+    nothing; beyond that a larger tile only costs memory. On a CPU at batch 4096 (8192 candidates, d =
+    384), tiles of 1024, 2048 and 4096 took the same time within noise; at 2048 a tile is 16 MiB in fp32
+    whatever the batch.
+    """
+    return max(1, min(2048, max(rows, columns)))
+
+
+def tiled_cross_entropy(queries, keys, first_target, scale, tile_size=None):
+    """Per row i: LSE_j(s_ij) - s_i,t(i), s_ij = tau <q_i, k_j>, t(i) = first_target + i; never B x N."""
+    tile_size = tile_size or default_tile_size(len(queries), len(keys))
+    return TiledCrossEntropy.apply(queries, keys, int(first_target), float(scale), int(tile_size))
+
+
+class TiledCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of each row of S = tau Q K^T against its target column, from T x T tiles.
+
+    Inf-CL (Cheng et al. 2024), with Y the one-hot targets, t(i) = first_target + i:
+
+    Forward:   for each row tile I and column tile J, S_IJ = (tau Q_I) K_J^T is folded into an online
+               log-sum-exp: a running maximum m_I and sum l_I of exp(S - m_I), the sum rescaled by
+               exp(old m - new m) when the maximum rises; the target scores s_i,t(i) are read from
+               the tile that holds them. Output: ce_i = log l_i - (s_i,t(i) - m_i) = LSE_i - s_i,t(i).
+    Backward:  with g_i = dL/dce_i, the tiles are recomputed: P_IJ = exp(S_IJ - m_I) / l_I (the softmax),
+               G_IJ = g_I (P_IJ - Y_IJ), and  dQ_I += tau G_IJ K_J,   dK_J += G_IJ^T (tau Q_I).
+    Memory: Q, K, their gradients, two floats per row (m and l: LSE = m + log l would round to the
+    precision of its magnitude, 1e-6 at a scale of 20, and so would every P) and one tile. Compute: four
+    matrix products of the score matrix's size instead of three. P - Y is formed in the tile, so the
+    gradient of a row whose softmax is nearly one-hot does not lose its digits to a later subtraction.
+    """
+
+    @staticmethod
+    def forward(ctx, queries, keys, first_target, scale, tile_size):
+        scaled = queries * scale
+        row_max = torch.full((len(queries),), -torch.inf, dtype=queries.dtype, device=queries.device)
+        row_sum = torch.zeros_like(row_max)
+        target_scores = torch.zeros_like(row_max)
+        for i, j, rows, columns in tiles(len(queries), len(keys), tile_size):
+            scores = scaled[rows] @ keys[columns].T
+            local, targets = targets_in_tile(i, j, scores.shape, first_target, queries.device)
+            target_scores[i + local] = scores[local, targets]
+            new_max = torch.maximum(row_max[rows], scores.amax(dim=1))
+            rescale = torch.exp(row_max[rows] - new_max)
+            row_sum[rows] = row_sum[rows] * rescale + scores.sub_(new_max[:, None]).exp_().sum(dim=1)
+            row_max[rows] = new_max
+        ctx.save_for_backward(queries, keys, row_max, row_sum)
+        ctx.first_target, ctx.scale, ctx.tile_size = first_target, scale, tile_size
+        return row_sum.log() - (target_scores - row_max)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        queries, keys, row_max, row_sum = ctx.saved_tensors
+        scaled = queries * ctx.scale
+        grad_over_sum = grad_rows / row_sum  # g_i P_ij = exp(s_ij - m_i) g_i / l_i: one pass less
+        grad_queries, grad_keys = torch.zeros_like(queries), torch.zeros_like(keys)
+        for i, j, rows, columns in tiles(len(queries), len(keys), ctx.tile_size):
+            weights = (scaled[rows] @ keys[columns].T).sub_(row_max[rows, None]).exp_()
+            weights.mul_(grad_over_sum[rows, None])
+            local, targets = targets_in_tile(i, j, weights.shape, ctx.first_target, queries.device)
+            weights[local, targets] -= grad_rows[i + local]
+            grad_queries[rows].addmm_(weights, keys[columns], alpha=ctx.scale)
+            grad_keys[columns].addmm_(weights.T, scaled[rows])
+        return grad_queries, grad_keys, None, None, None
+
+
+def tiles(num_rows, num_columns, tile_size):
+    for i in range(0, num_rows, tile_size):
+        for j in range(0, num_columns, tile_size):
+            yield i, j, slice(i, i + tile_size), slice(j, j + tile_size)
+
+
+def targets_in_tile(i, j, shape, first_target, device):
+    """(rows, columns) inside the tile at (i, j) where row r's target column first_target + r lies."""
+    first = max(0, j - first_target - i)
+    last = min(shape[0], j + shape[1] - first_target - i)
+    local = torch.arange(first, max(first, last), device=device)
+    return local, local + (first_target + i - j)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -281,7 +430,10 @@ def gradcache_step(
                   module and pass callables that route through the engine.
     columns:      the batch, one entry per text column (anchor, positive, hard negatives...), each a
                   sentence-transformers features dict, a tensor, or what `select` understands.
-    loss_fn:      loss(*reps) -> scalar on the full batch of representations, in column order.
+    loss_fn:      loss(*reps) -> scalar on the full batch of representations, in column order. Under
+                  cross-process negatives it is called as loss(*global_reps, local_rows=slice) and
+                  returns this process's share (`contrastive_loss` explains); a loss_fn without a
+                  `local_rows` argument is refused there.
     chunk_size:   examples per chunk, an int or one per column; need not divide the batch.
     backward:     called once per chunk on a surrogate scalar: `accelerator.backward` under accelerate.
     sync_context: `sync_context(is_last)` is entered around the forward and backward of each chunk that
@@ -289,7 +441,8 @@ def gradcache_step(
                   `accelerate_sync_context`.
     cross_process_negatives: contrast each example with the representations of every process, with
                   the parameter gradients of one process computing the global batch (assumes the
-                  backend averages gradients over processes, as DDP, FSDP and DeepSpeed do).
+                  backend averages gradients over processes, as DDP, FSDP and DeepSpeed do). Each
+                  process computes only its own rows of the loss (`global_batch_gradients`).
     reuse_last_chunk, replay_rng, sort_by_length: the refinements; switching them off is for benchmarks
                   and negative controls (without RNG replay, dropout makes the gradients wrong).
     """
@@ -298,6 +451,7 @@ def gradcache_step(
     shared = len({id(encoder) for encoder in encoders}) == 1
     chunk_sizes = list(chunk_size) if isinstance(chunk_size, Sequence) else [chunk_size] * len(columns)
     check_step_arguments(encoders, columns, chunk_sizes, allow_batch_mixing)
+    check_loss_takes_local_rows(loss_fn, cross_process_negatives)
 
     # A group is what one backward covers. A shared encoder back-propagates chunk by chunk. Separate
     # towers back-propagate one chunk of every column together: under ZeRO-3 every backward must touch
@@ -390,30 +544,71 @@ def cache_representation_gradients(loss_fn, plans, chunk_reps, cross_process_neg
         in_batch_order = torch.empty_like(rows)
         in_batch_order[torch.cat(plan).to(rows.device)] = rows
         leaves.append(in_batch_order.requires_grad_())
-    world_size = dist.get_world_size() if cross_process_negatives and dist.is_initialized() else 1
     with torch.autocast(leaves[0].device.type, enabled=False), torch.enable_grad():
-        if world_size > 1:
-            rank = dist.get_rank()
-            batch = [
-                torch.cat(
-                    [leaf if r == rank else rows for r, rows in enumerate(gather_from_all_processes(leaf))]
-                )
-                for leaf in leaves
-            ]
-        else:
-            batch = leaves
-        loss = loss_fn(*batch)
-        if loss.dim() != 0:
-            raise ValueError(
-                f"loss_fn must return a scalar, got shape {tuple(loss.shape)}; reduce it (mean)."
-            )
-        rep_grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        if spans_processes(cross_process_negatives):
+            return global_batch_gradients(loss_fn, leaves)
+        loss = check_scalar(loss_fn(*leaves))
+        return loss.detach(), gradients(loss, leaves)
+
+
+def global_batch_gradients(loss_fn, leaves):
+    """Stage 2 across processes: local rows against global columns.
+
+    Every process gathers every column of every process (detached) and computes only its own rows of the
+    loss, `loss_fn(*global_columns, local_rows=slice)`: its share L_r of the global loss, whose gradient
+    reaches its own rows and every other process's candidates. The gradient of a representation is the
+    sum over processes of dL_r/dr: one all-reduce carries all of them, and the shares of the loss. The
+    cost per process is O(B_local x B_global); no process holds B_global x B_global.
+    """
+    gathered = [gather_from_all_processes(leaf) for leaf in leaves]
+    sizes = [len(rows) for rows in gathered[0]]
+    first = sum(sizes[: dist.get_rank()])
+    local_rows = slice(first, first + sizes[dist.get_rank()])
+    batch = [torch.cat(rows).requires_grad_() for rows in gathered]
+    share = check_scalar(loss_fn(*batch, local_rows=local_rows))
+    grads = gradients(share, batch)
+    summed = torch.cat([share.detach().reshape(1), *[grad.flatten() for grad in grads]])
+    dist.all_reduce(summed)
+    loss, summed_grads = summed[0], summed[1:].split([grad.numel() for grad in grads])
     # DDP and DeepSpeed average over processes: each holds 1/world of the global gradient, so scale back.
+    world_size = dist.get_world_size()
     rep_grads = [
-        torch.zeros_like(leaf) if grad is None else grad * world_size
-        for leaf, grad in zip(leaves, rep_grads, strict=True)
+        grad.view_as(rows)[local_rows] * world_size for grad, rows in zip(summed_grads, batch, strict=True)
     ]
-    return loss.detach(), rep_grads
+    return loss, rep_grads
+
+
+def gradients(loss, inputs):
+    """d loss / d input for each input; zeros for an input the loss does not use."""
+    grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    return [torch.zeros_like(x) if grad is None else grad for x, grad in zip(inputs, grads, strict=True)]
+
+
+def spans_processes(cross_process_negatives):
+    return cross_process_negatives and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def check_scalar(loss):
+    if loss.dim() != 0:
+        raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}; reduce it (mean).")
+    return loss
+
+
+def check_loss_takes_local_rows(loss_fn, cross_process_negatives):
+    """Under cross-process negatives stage 2 calls loss_fn(*global_columns, local_rows=slice)."""
+    if not spans_processes(cross_process_negatives):
+        return
+    try:
+        parameters = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):
+        parameters = []
+    if not any(p.name == "local_rows" or p.kind is p.VAR_KEYWORD for p in parameters):
+        raise ValueError(
+            "with cross_process_negatives each process computes only its own rows of the loss, so loss_fn "
+            "must accept `local_rows` (a slice of the global batch's rows) and return those rows' terms "
+            "divided by the global batch size, as contrastive_loss does. Add that argument to your loss, "
+            "or pass cross_process_negatives=False."
+        )
 
 
 def backpropagate_cache(group, reps, rep_grads, backward):

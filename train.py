@@ -100,6 +100,13 @@ add("--cross_process_negatives", action="store_true", help="contrast with the ba
 # Loss
 add("--scale", type=float, default=20.0, help="inverse temperature of the cosine similarities")
 add("--symmetric", action="store_true", help="add the positive -> anchor direction to the loss")
+add(
+    "--matryoshka_dims",
+    default="",
+    help="e.g. 384,256,128,64: add the loss on each renormalized prefix; list the full dimension to train it",
+)
+add("--matryoshka_weights", default="", help="one weight per --matryoshka_dims entry; default 1 each")
+add("--loss_tile_size", type=int, default=None, help="score tile of the tiled loss; default: automatic")
 # Optimization
 add("--lr", type=float, default=2e-4, help="AdamW peak learning rate")
 add("--weight_decay", type=float, default=0.01)
@@ -150,7 +157,51 @@ def parse_args(argv=None):
             "with Gradient Cache a bigger batch costs no memory."
         )
     parse_columns(args.columns)
+    args.matryoshka_dims, args.matryoshka_weights = parse_matryoshka(
+        args.matryoshka_dims, args.matryoshka_weights
+    )
+    if args.loss_tile_size is not None and args.loss_tile_size < 1:
+        parser.error(f"--loss_tile_size must be at least 1, got {args.loss_tile_size} (omit it: automatic).")
     return args
+
+
+def parse_matryoshka(dims_spec, weights_spec):
+    """(dims, weights) from '384,256,128,64' and '1,1,0.5,0.5'; (None, None) when no dims are given."""
+
+    def numbers(spec, kind, flag):
+        try:
+            return [kind(item) for item in spec.split(",")]
+        except ValueError:
+            parser.error(f"{flag} {spec!r}: give comma-separated numbers, e.g. {flag} 384,256,128,64.")
+
+    if not dims_spec:
+        if weights_spec:
+            parser.error("--matryoshka_weights needs --matryoshka_dims: one weight per dimension.")
+        return None, None
+    dims = numbers(dims_spec, int, "--matryoshka_dims")
+    if any(dim < 1 for dim in dims) or len(set(dims)) != len(dims):
+        parser.error(
+            f"--matryoshka_dims {dims_spec}: give distinct positive dimensions, e.g. 384,256,128,64."
+        )
+    if not weights_spec:
+        return tuple(dims), None
+    weights = numbers(weights_spec, float, "--matryoshka_weights")
+    if len(weights) != len(dims):
+        parser.error(
+            f"--matryoshka_weights {weights_spec} has {len(weights)} weights for {len(dims)} dimensions "
+            f"({dims_spec}): give one per dimension."
+        )
+    return tuple(dims), tuple(weights)
+
+
+def check_matryoshka_dims(dims, width):
+    """Stop before training if a --matryoshka_dims entry is not a prefix of the model's representation."""
+    too_large = [dim for dim in dims or () if dim > width]
+    if too_large:
+        fail(
+            f"--matryoshka_dims {','.join(map(str, dims))}: {too_large} larger than the model's {width} "
+            f"dimensions. Use dimensions up to {width}, e.g. {','.join(str(width >> k) for k in range(4))}."
+        )
 
 
 def fail(message):
@@ -468,6 +519,7 @@ def main(args):
         train_data = train_data.shuffle(seed=args.seed).select(range(args.max_train_examples))
     model = load_model(args.model, str(accelerator.device))  # after the Accelerator: ZeRO-3 loads partitioned
     model.max_seq_length = args.max_seq_length or model.max_seq_length
+    check_matryoshka_dims(args.matryoshka_dims, model.get_embedding_dimension())
     gradcache.check_examples_independent(model)
     evaluator = build_evaluator(dev_data, args.dev_queries) if dev_data else None
     sampler = NoDuplicatesOrder(train_data, args.batch_size, args.seed)
@@ -510,7 +562,14 @@ def main(args):
     # DeepSpeed's ZeRO optimizers step in place.
     scheduler = get_scheduler(args.lr_schedule, adamw, round(args.warmup_ratio * total_steps), total_steps)
     accelerator.register_for_checkpointing(scheduler)
-    loss_fn = functools.partial(gradcache.contrastive_loss, scale=args.scale, symmetric=args.symmetric)
+    loss_fn = functools.partial(
+        gradcache.contrastive_loss,
+        scale=args.scale,
+        symmetric=args.symmetric,
+        tile_size=args.loss_tile_size,
+        matryoshka_dims=args.matryoshka_dims,
+        matryoshka_weights=args.matryoshka_weights,
+    )
     sync_context = gradcache.accelerate_sync_context(accelerator, engine)
     wandb_kwargs = {"name": args.run_name, "mode": args.wandb_mode, "dir": str(output_dir)}
     accelerator.init_trackers(args.wandb_project, config, init_kwargs={"wandb": wandb_kwargs})

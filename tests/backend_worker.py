@@ -14,6 +14,7 @@ in the environment once a DeepSpeed plugin was given). Each rank writes OUT_DIR/
 """
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -21,6 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
+from references import materialized_contrastive_loss
 from torch import nn
 
 from gradcache import accelerate_sync_context, contrastive_loss, gradcache_step, select_examples
@@ -31,6 +33,7 @@ CHUNK_SIZE = 4  # does not divide PER_PROCESS_BATCH: the last chunk of every col
 NUM_COLUMNS = 3  # anchor, positive, one hard negative
 NUM_STEPS = 3  # optimizer steps per case
 LEARNING_RATE = 1.0  # plain SGD: each update is the gradient itself, large enough to stand out of rounding
+LOSS_TILE_SIZE = 5  # divides neither a process's rows nor the global batch: several tiles, the last short
 VOCAB_SIZE = 50
 MAX_LENGTH = 12
 MODEL_SEED = 1234
@@ -62,6 +65,9 @@ class Case:
     offload: tuple = ()  # ZeRO-Offload to the CPU: "optimizer" and/or "param"
     plain_torch: bool = False  # no accelerate at all: Tensor.backward and a plain optimizer
     use_sync_context: bool = True  # False is a negative control: every chunk synchronizes
+    symmetric: bool = False  # the loss adds the positive -> anchor direction
+    matryoshka_dims: tuple = ()  # the loss sums over these renormalized prefixes (of the 8 dimensions)
+    uneven: bool = False  # cross-process negatives only: rank 0 holds a row less, the last rank one more
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -126,9 +132,36 @@ def make_micro_batches(case):
     return [make_columns(case.world_size * PER_PROCESS_BATCH, generator) for _ in range(count)]
 
 
-def shard(columns, rank):
-    rows = torch.arange(rank * PER_PROCESS_BATCH, (rank + 1) * PER_PROCESS_BATCH)
+def shard_sizes(case):
+    """Rows per process; uneven sizes keep the global batch at world_size * PER_PROCESS_BATCH."""
+    sizes = [PER_PROCESS_BATCH] * case.world_size
+    if case.uneven:
+        sizes[0], sizes[-1] = PER_PROCESS_BATCH - 1, PER_PROCESS_BATCH + 1
+    return sizes
+
+
+def shard(columns, rank, case):
+    first = sum(shard_sizes(case)[:rank])
+    rows = torch.arange(first, first + shard_sizes(case)[rank])
     return [select_examples(column, rows) for column in columns]
+
+
+def loss_options(case):
+    """Matryoshka weights sum to one: an SGD step at learning rate 1 stays the size of the plain loss's,
+    whose rounding three steps amplify to within the tolerance (weights of 1 each reach 2e-5)."""
+    if not case.matryoshka_dims:
+        return {"symmetric": case.symmetric}
+    weights = [1 / len(case.matryoshka_dims)] * len(case.matryoshka_dims)
+    return {
+        "symmetric": case.symmetric,
+        "matryoshka_dims": case.matryoshka_dims,
+        "matryoshka_weights": weights,
+    }
+
+
+def loss_function(case):
+    """The loss gradcache_step computes: tiled, in tiles that divide nothing."""
+    return functools.partial(contrastive_loss, tile_size=LOSS_TILE_SIZE, **loss_options(case))
 
 
 def to_device(columns, device):
@@ -161,8 +194,11 @@ def reference_run(case):
             if case.cross_process_negatives:
                 groups = [columns]
             else:
-                groups = [shard(columns, rank) for rank in range(case.world_size)]
-            group_losses = [contrastive_loss(*encode_columns(model, case, group)) for group in groups]
+                groups = [shard(columns, rank, case) for rank in range(case.world_size)]
+            group_losses = [
+                materialized_contrastive_loss(*encode_columns(model, case, group), **loss_options(case))
+                for group in groups
+            ]
             for rank in range(case.world_size):
                 losses[rank].append(group_losses[0 if case.cross_process_negatives else rank].item())
             (torch.stack(group_losses).mean() / case.accumulation_steps).backward()
@@ -347,6 +383,10 @@ def accelerator_arguments(case):
     }
     if case.zero_stage is not None:
         arguments["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=deepspeed_config(case))
+    elif not torch.cuda.is_available():
+        # DDP on the CPU (gloo), also in a launch that runs DeepSpeed cases afterwards, where the
+        # environment variable ACCELERATE_USE_CPU would switch DeepSpeed off.
+        arguments["cpu"] = True
     return arguments
 
 
@@ -398,11 +438,12 @@ def run_under_accelerate(case, accelerator):
 
     losses, steps_after_micro_batch, allreduces_per_step = [], [], []
     for columns in make_micro_batches(case):
-        columns = to_device(shard(columns, accelerator.process_index), accelerator.device)
+        columns = to_device(shard(columns, accelerator.process_index, case), accelerator.device)
         with accelerator.accumulate(*models):
             report = gradcache_step(
                 encoders,
                 columns,
+                loss_function(case),
                 chunk_size=CHUNK_SIZE,
                 backward=accelerator.backward,
                 cross_process_negatives=case.cross_process_negatives,
@@ -442,7 +483,7 @@ def run_plain_torch(case):
     losses, first_grads = [], {}
     for columns in make_micro_batches(case):
         optimizer.zero_grad()
-        losses.append(gradcache_step(encoders, columns, chunk_size=CHUNK_SIZE).loss.item())
+        losses.append(gradcache_step(encoders, columns, loss_function(case), CHUNK_SIZE).loss.item())
         first_grads = first_grads or plain_gradients(model)
         optimizer.step()
     return {
@@ -529,7 +570,9 @@ def allreduce_controls(case, encoders, accelerator, counter):
     """All-reduces of one plain full-batch DDP step (one per bucket: what a step should cost) and of one
     gradcache_step without sync_context (one per bucket and backward). Run after the weights are saved:
     the gradients they leave behind are never read."""
-    columns = to_device(shard(make_micro_batches(case)[0], accelerator.process_index), accelerator.device)
+    columns = to_device(
+        shard(make_micro_batches(case)[0], accelerator.process_index, case), accelerator.device
+    )
     towers = encoders if isinstance(encoders, list) else [encoders] * NUM_COLUMNS
     counter["count"] = 0
     reps = [tower(column)["sentence_embedding"] for tower, column in zip(towers, columns, strict=True)]
@@ -562,6 +605,7 @@ def main(out_dir, cases_json):
     os.makedirs(out_dir, exist_ok=True)
     for fields in json.loads(cases_json):
         fields["offload"] = tuple(fields.get("offload", ()))
+        fields["matryoshka_dims"] = tuple(fields.get("matryoshka_dims", ()))
         run_case(Case(**fields), out_dir)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

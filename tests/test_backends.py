@@ -5,9 +5,11 @@ in a per-process batch of 6) and is compared with plain torch on the global batc
 unchunked: the losses, the first step's gradient and the weight updates after the third step
 (tests/backend_worker.py holds the model, the data, the reference and the worker). Cases of more than one
 process, and all DeepSpeed cases, run under torchrun on the CPU (gloo; DeepSpeed's CPU accelerator), one
-launch per backend and process count; the rest run in this process. A case named "-cross" contrasts
-with the examples of every process (cross-process negatives); "-accumulate2" runs two micro-batches per
-optimizer step in `accelerator.accumulate()`.
+launch per backend and process count (the 3-process cases share one launch); the rest run in this
+process. A case named "-cross" contrasts with the examples of every process (cross-process negatives: each
+process computes its own rows of the loss, tiled, against everyone's candidates); "-symmetric-matryoshka"
+adds the reverse direction and Matryoshka prefixes; "-uneven" gives the ranks different batch sizes;
+"-accumulate2" runs two micro-batches per optimizer step in `accelerator.accumulate()`.
 
     .venv/bin/python -m pytest -q tests/test_backends.py
 
@@ -56,6 +58,15 @@ def deepspeed_cases():
                 yield Case(f"zero{stage}-{world_size}proc-{encoder}", stage, world_size, two_towers)
 
 
+def local_rows_cases():
+    """Cross-process negatives with the whole loss: symmetric, Matryoshka, ranks of different sizes."""
+    full = dict(cross_process_negatives=True, symmetric=True, matryoshka_dims=(8, 5, 3), uneven=True)
+    yield Case("ddp-2proc-cross-symmetric-matryoshka-uneven", world_size=2, **full)
+    yield Case("ddp-3proc-cross-symmetric-matryoshka-uneven", world_size=3, **full)
+    yield Case("zero2-3proc-two-towers-cross-symmetric-matryoshka-uneven", 2, 3, two_towers=True, **full)
+    yield Case("zero3-3proc-cross-symmetric-matryoshka-uneven", 3, 3, **full)
+
+
 FP32_CASES = [
     Case("torch", plain_torch=True),
     Case("torch-two-towers", plain_torch=True, two_towers=True),
@@ -75,6 +86,7 @@ FP32_CASES = [
     Case("zero3-2proc-two-towers-accumulate2", 3, 2, two_towers=True, accumulation_steps=2),
     Case("zero2-2proc-two-towers-offload-optimizer", 2, 2, two_towers=True, offload=("optimizer",)),
     Case("zero3-2proc-two-towers-offload-all", 3, 2, two_towers=True, offload=("optimizer", "param")),
+    *local_rows_cases(),
 ]
 BF16_CASES = [
     Case("accelerate-bf16-autocast", mixed_precision="bf16"),
@@ -91,12 +103,16 @@ DDP_CASES = [case for case in ALL_CASES if case.world_size > 1 and case.zero_sta
 LAUNCH_ENVIRONMENT = {
     "ddp": {"ACCELERATE_USE_CPU": "true"},  # accelerate's DDP on the CPU (gloo)
     "deepspeed": {"DS_ACCELERATOR": "cpu"},
+    # DDP cases first, then DeepSpeed ones: the worker asks accelerate for the CPU case by case.
+    "mixed": {"DS_ACCELERATOR": "cpu"},
 }
 
 
 def launch_group(case):
     if case.world_size == 1 and case.zero_stage is None:
         return "in-process"
+    if case.world_size == 3:  # one launch for every backend: launches are what the suite's time goes to
+        return "mixed-3proc"
     return f"{'ddp' if case.zero_stage is None else 'deepspeed'}-{case.world_size}proc"
 
 

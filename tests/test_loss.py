@@ -1,0 +1,219 @@
+"""The tiled contrastive loss against the materialized one, sentence-transformers' losses, and a memory probe.
+
+`gradcache.contrastive_loss` never builds the B x N score matrix. Here it must equal, at 1e-6 relative in
+fp32, the plain-autograd loss of tests/references.py that does (values and representation gradients), for
+every combination of direction, hard negatives, similarity and tile shape; equal sentence-transformers'
+MultipleNegativesRankingLoss and MatryoshkaLoss; and a dispatch-mode probe that sees every tensor an
+operation returns proves that no B x N tensor is ever allocated, forward or backward.
+
+    .venv/bin/python -m pytest -q tests/test_loss.py
+"""
+
+import copy
+import functools
+
+import pytest
+import torch
+from references import materialized_contrastive_loss
+from test_gradcache import max_relative_difference, random_texts, tiny_sentence_transformer
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gradcache
+import train
+
+TOLERANCE = 1e-6  # relative, fp32: the same sums in another order
+BATCH = 37  # a prime: no tile size divides it
+WIDTH = 16
+
+
+def make_reps(num_negatives, batch=BATCH, width=WIDTH, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, width, generator=generator).requires_grad_() for _ in range(2 + num_negatives)]
+
+
+def value_and_gradients(loss_fn, reps, **options):
+    loss = loss_fn(*reps, **options)
+    return loss.detach(), torch.autograd.grad(loss, reps)
+
+
+def relative_gradient_difference(grads, reference):
+    """max|g - g_ref| / max|g_ref| over the gradients of all representations together.
+
+    One denominator for all columns: a hard-negative column's gradient is several times smaller than the
+    anchors', and divided by its own maximum its fp32 rounding alone reaches 1e-6 (the materialized loss
+    differs from an fp64 one by 1.1e-6 that way on one of these batches).
+    """
+    largest = max(float(r.abs().max()) for r in reference)
+    return max(float((g - r).abs().max()) for g, r in zip(grads, reference, strict=True)) / largest
+
+
+def assert_close(actual, expected):
+    (loss, grads), (ref_loss, ref_grads) = actual, expected
+    assert abs(float(loss - ref_loss)) <= TOLERANCE * abs(float(ref_loss))
+    assert relative_gradient_difference(grads, ref_grads) <= TOLERANCE
+
+
+@pytest.mark.parametrize("tile_size", [5, 64, None], ids=["tile-5", "tile-over-batch", "tile-automatic"])
+@pytest.mark.parametrize("similarity, scale", [("cos", 20.0), ("dot", 1.0)], ids=["cos", "dot"])
+@pytest.mark.parametrize("symmetric", [False, True], ids=["one-way", "symmetric"])
+@pytest.mark.parametrize("num_negatives", [0, 1, 3], ids=lambda n: f"{n}-negatives")
+def test_tiled_equals_materialized(num_negatives, symmetric, similarity, scale, tile_size):
+    reps = make_reps(num_negatives)
+    options = dict(scale=scale, similarity=similarity, symmetric=symmetric)
+    tiled = value_and_gradients(gradcache.contrastive_loss, reps, tile_size=tile_size, **options)
+    assert_close(tiled, value_and_gradients(materialized_contrastive_loss, reps, **options))
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["one-way", "symmetric"])
+def test_matryoshka_tiled_equals_materialized(symmetric):
+    reps = make_reps(2)
+    options = dict(symmetric=symmetric, matryoshka_dims=(16, 12, 5), matryoshka_weights=(1.0, 0.5, 2.0))
+    tiled = value_and_gradients(gradcache.contrastive_loss, reps, tile_size=7, **options)
+    assert_close(tiled, value_and_gradients(materialized_contrastive_loss, reps, **options))
+
+
+@pytest.mark.parametrize("matryoshka_dims", [None, (16, 8)], ids=["full", "matryoshka"])
+def test_local_rows_sum_to_the_whole_loss(matryoshka_dims):
+    """What each process computes under cross-process negatives: the shares of a partition of the rows."""
+    reps = make_reps(1)
+    loss_fn = functools.partial(
+        gradcache.contrastive_loss, symmetric=True, tile_size=6, matryoshka_dims=matryoshka_dims
+    )
+    shares = [
+        value_and_gradients(loss_fn, reps, local_rows=slice(a, b)) for a, b in [(0, 13), (13, 30), (30, 37)]
+    ]
+    summed = (
+        sum(loss for loss, _ in shares),
+        [sum(grads) for grads in zip(*[g for _, g in shares], strict=True)],
+    )
+    assert_close(summed, value_and_gradients(loss_fn, reps))
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the element count of the largest tensor any operation returns while the mode is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in torch.utils._pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self.numel = max(self.numel, tensor.numel())
+        return out
+
+
+def largest_tensors(loss_fn, reps):
+    """(largest forward tensor, largest backward tensor) of one loss and its gradient."""
+    with LargestTensor() as forward:
+        loss = loss_fn(*reps)
+    with LargestTensor() as backward:
+        torch.autograd.grad(loss, reps)
+    return forward.numel, backward.numel
+
+
+def test_no_batch_by_candidates_tensor_is_ever_allocated():
+    batch, width, tile = 96, 8, 16
+    reps = make_reps(1, batch=batch, width=width)
+    candidates = 2 * batch
+    tiled = functools.partial(gradcache.contrastive_loss, symmetric=True, tile_size=tile)
+    # The bound: the candidate matrix (N x d, with its gradient) or one tile, never B x N.
+    bound = max(candidates * width, tile * tile)
+    assert max(largest_tensors(tiled, reps)) <= bound < batch * candidates
+    # The probe sees both passes: the materialized loss allocates the B x N scores and their gradient.
+    materialized = functools.partial(materialized_contrastive_loss, symmetric=True)
+    assert min(largest_tensors(materialized, reps)) >= batch * candidates
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["one-way", "symmetric"])
+def test_equals_sentence_transformers_multiple_negatives_ranking_loss(symmetric):
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    directions = ("query_to_doc", "doc_to_query") if symmetric else ("query_to_doc",)
+    # The loss only scores embeddings here (compute_loss_from_embeddings): it never calls its model.
+    st_loss = MultipleNegativesRankingLoss(
+        None, scale=20.0, directions=directions, partition_mode="per_direction"
+    )
+    reps = make_reps(2)
+    ours = value_and_gradients(gradcache.contrastive_loss, reps, symmetric=symmetric, tile_size=8)
+    assert_close(
+        ours, value_and_gradients(lambda *r: st_loss.compute_loss_from_embeddings(list(r), None), reps)
+    )
+
+
+def test_matryoshka_gradcache_step_equals_sentence_transformers(tmp_path, monkeypatch):
+    """Parameter gradients of gradcache_step in chunks against MatryoshkaLoss(MNRL) on the full batch."""
+    from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss, MultipleNegativesRankingLoss
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, words = tiny_sentence_transformer(tmp_path)
+    model.eval()  # no dropout: the full-batch reference draws no masks
+    reference = copy.deepcopy(model)
+    columns = [model.preprocess(random_texts(words, 10, seed)) for seed in range(3)]
+    dims, weights = (32, 16, 8), (1.0, 0.5, 0.25)
+    loss_fn = functools.partial(
+        gradcache.contrastive_loss, matryoshka_dims=dims, matryoshka_weights=weights, tile_size=3
+    )
+    report = gradcache.gradcache_step(model, columns, loss_fn, 4)
+
+    st_loss = MatryoshkaLoss(reference, MultipleNegativesRankingLoss(reference), list(dims), list(weights))
+    st_value = st_loss(columns, None)
+    st_value.backward()
+    assert abs(float(report.loss - st_value.detach())) <= TOLERANCE * abs(float(st_value.detach()))
+    assert max_relative_difference([model], [reference]) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(similarity="euclid"), "similarity must be 'cos' or 'dot'"),
+        (dict(matryoshka_dims=(16, 32)), "matryoshka dimension 32 is not a prefix of the 16-dimensional"),
+        (
+            dict(matryoshka_dims=(16, 8), matryoshka_weights=(1.0,)),
+            "1 matryoshka_weights for 2 matryoshka_dims",
+        ),
+    ],
+)
+def test_bad_loss_options_say_what_to_do(options, message):
+    with pytest.raises(ValueError, match=message):
+        gradcache.contrastive_loss(*make_reps(0), **options)
+
+
+def test_cross_process_negatives_refuse_a_loss_without_local_rows(monkeypatch):
+    monkeypatch.setattr(gradcache, "spans_processes", lambda cross_process_negatives: cross_process_negatives)
+    columns = [torch.randn(6, 4), torch.randn(6, 4)]
+    encoder = torch.nn.Linear(4, 3)
+    with pytest.raises(ValueError, match="loss_fn must accept `local_rows`"):
+        gradcache.gradcache_step(
+            encoder, columns, lambda a, b: (a * b).sum(), 3, cross_process_negatives=True
+        )
+    assert all(p.grad is None for p in encoder.parameters())
+    gradcache.check_loss_takes_local_rows(functools.partial(gradcache.contrastive_loss, scale=5.0), True)
+
+
+def test_train_matryoshka_and_tile_arguments(capsys):
+    from test_train import fails_with
+
+    args = train.parse_args(["--matryoshka_dims", "384,256,64", "--matryoshka_weights", "1,1,0.5"])
+    assert (args.matryoshka_dims, args.matryoshka_weights) == ((384, 256, 64), (1.0, 1.0, 0.5))
+    assert train.parse_args([]).matryoshka_dims is None
+    fails_with(
+        capsys, lambda: train.parse_args(["--matryoshka_dims", "384,0"]), "distinct positive dimensions"
+    )
+    fails_with(capsys, lambda: train.parse_args(["--matryoshka_dims", "384,x"]), "comma-separated numbers")
+    fails_with(
+        capsys,
+        lambda: train.parse_args(["--matryoshka_dims", "384,256", "--matryoshka_weights", "1"]),
+        "has 1 weights for 2 dimensions",
+    )
+    fails_with(capsys, lambda: train.parse_args(["--matryoshka_weights", "1"]), "needs --matryoshka_dims")
+    fails_with(
+        capsys, lambda: train.parse_args(["--loss_tile_size", "0"]), "--loss_tile_size must be at least 1"
+    )
+    fails_with(
+        capsys,
+        lambda: train.check_matryoshka_dims((768, 384), 384),
+        "[768] larger than the model's 384 dimensions",
+    )
+    train.check_matryoshka_dims((384, 64), 384)
