@@ -286,7 +286,7 @@ def scale_targets(saved):
             ]
         )
     else:
-        rows.append([target, "-", "not measured: no tiled loss in this run"])
+        rows.append([target, "-", "not measured"])
     target = f"a full training step at batch {FULL_STEP_BATCH:,}, three columns, on this machine"
     point = steps.get(FULL_STEP_BATCH)
     if point is None:

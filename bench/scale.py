@@ -22,7 +22,6 @@ Three parts, on anchor, positive and hard-negative columns (d = 384 representati
 Writes bench/results/scale_<preset>.{json,md,png}.
 """
 
-import inspect
 import statistics
 import time
 
@@ -31,9 +30,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
-# After harness, which puts the repository root (gradcache.py) on the path.
-import gradcache  # noqa: E402
 
 PRESETS = {
     "cpu": {
@@ -93,11 +89,6 @@ parser.add_argument("--time_batch_sizes", type=int, nargs="+", help="batches of 
 parser.add_argument("--time_rounds", type=int, help="measured rounds per batch of part c")
 
 
-def tiled_loss_available():
-    # TODO-merge: drop once branch `loss` (contrastive_loss(..., tile_size=None)) is in.
-    return "tile_size" in inspect.signature(gradcache.contrastive_loss).parameters
-
-
 def measure_point(args, worker, **kwargs):
     """CUDA's allocator statistics are exact per window; CPU needs a fresh process per point."""
     if args.device.startswith("cuda"):
@@ -129,10 +120,10 @@ def measure_steps(args):
     return points
 
 
-def measure_loss_memory(args, kinds):
+def measure_loss_memory(args):
     cap_bytes = None if args.loss_cap_gib is None else int(args.loss_cap_gib * 2**30)
     points = []
-    for kind in kinds:
+    for kind in LOSSES:
         for batch_size in args.loss_batch_sizes:
             point = measure_point(
                 args,
@@ -173,14 +164,10 @@ def measure_loss_time(args):
 
 
 def measure(args):
-    tiled = tiled_loss_available()
-    if not tiled:
-        print("contrastive_loss has no tile_size at this commit: parts b and c measure no tiled loss")
     return {
-        "tiled_loss_available": tiled,
         "steps": measure_steps(args),
-        "loss_memory": measure_loss_memory(args, LOSSES if tiled else LOSSES[1:]),
-        "loss_time": measure_loss_time(args) if tiled else [],
+        "loss_memory": measure_loss_memory(args),
+        "loss_time": measure_loss_time(args),
     }
 
 
@@ -260,8 +247,7 @@ def loss_memory_table(points, args):
     return "\n\n".join(
         [
             f"b. Stage 2 alone (loss and representation gradients) on random fp32 representations, "
-            f"{NUM_COLUMNS} columns of d = {DIM}: peak above the inputs, each point in a fresh process."
-            + ("" if by_key.get(("tiled", args.loss_batch_sizes[0])) else " No tiled loss at this commit."),
+            f"{NUM_COLUMNS} columns of d = {DIM}: peak above the inputs, each point in a fresh process.",
             harness.markdown_table(
                 ["batch", "inputs (MiB)", "tiled (MiB)", "materialized (MiB)", "materialized / tiled"], rows
             ),
@@ -270,8 +256,6 @@ def loss_memory_table(points, args):
 
 
 def loss_time_table(points, args):
-    if not points:
-        return "c. Not measured: no tiled loss at this commit."
     rows = []
     for point in points:
         ratios = time_ratios(point)
