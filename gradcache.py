@@ -26,7 +26,10 @@ log-sum-exp and recomputes the tiles in its backward (Inf-CL, Cheng et al. 2024)
 representations and one tile; across processes each process computes only its own rows. Two
 refinements cost nothing in exactness: the chunk encoded last in stage 1 keeps its graph and is
 back-propagated directly (N chunks cost N - 1 re-encodings), and examples are grouped into chunks by
-length so a chunk pays for its own longest text, not the batch's.
+length so a chunk pays for its own longest text, not the batch's. Chunks can hold a fixed number of
+examples (`chunk_size`) or as many as fit in a budget of padded tokens (`chunk_tokens`), so that peak
+memory follows the budget whatever the texts; columns of raw texts are tokenized chunk by chunk
+(`tokenize_per_chunk`), never padded as a whole batch.
 
 Two guards keep a long run safe. A loss or representation gradient that is not finite is found after
 stage 2, before any backward: nothing is back-propagated and the report says `skipped`, so the trainer
@@ -223,7 +226,8 @@ def targets_in_tile(i, j, shape, first_target, device):
 
 # ---------------------------------------------------------------------------------------------------------
 # Inputs: a column is a dict of batch-first tensors (sentence-transformers features), a tensor, or
-# anything a user `select(column, index)` understands.
+# anything a user `select(column, index)` understands, such as a list of raw texts tokenized chunk by chunk
+# (`tokenize_per_chunk`) with its token counts passed as `lengths`.
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -245,7 +249,10 @@ def select_examples(column, index):
     """The examples `index` of a column, with padding columns that no selected example uses trimmed.
 
     Non-tensor entries (sentence-transformers' `'modality'`) and 0-d tensors pass through unchanged.
-    Only trailing padding is trimmed, so left-padded inputs keep their positions.
+    Trailing padding is trimmed; leading padding too when the chunk is left-padded (decoder-only models:
+    every selected example ends at the last column). The chunk is then what tokenizing its texts alone
+    gives, the way sentence-transformers encodes a batch: a model that numbers positions from the first
+    column sees them shifted by the trimmed columns, which rotary positions (relative) do not feel.
     """
     if isinstance(column, torch.Tensor):
         return column[index.to(column.device)]
@@ -256,29 +263,76 @@ def select_examples(column, index):
         for key, value in column.items()
     }
     mask = chunk.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.any():
         width = mask.shape[1]
-        used = int(mask.any(dim=0).nonzero().max()) + 1 if mask.any() else width
+        used = mask.any(dim=0).nonzero()
+        first = int(used.min()) if bool(mask[:, -1].all()) else 0
+        last = int(used.max()) + 1
         for key, value in chunk.items():
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == width:
-                chunk[key] = value[:, :used]
+                chunk[key] = value[:, first:last]
     return chunk
 
 
-def plan_chunks(column, chunk_size, sort_by_length=True):
-    """Index tensors splitting a column into chunks of at most `chunk_size` examples.
+def tokenize_per_chunk(tokenize):
+    """`select` for columns of raw texts: `tokenize(texts)` runs on the texts of each chunk as it is encoded.
 
-    With `sort_by_length` and an attention mask, examples are ordered longest first (stable), so each
-    chunk holds texts of similar length and trims most of its padding; the longest chunk comes first, so
-    a chunk size that does not fit fails at once.
+    `tokenize` turns a list of texts into the encoder's input, padded to its longest (a sentence-transformers
+    model's `preprocess`, then a move to the device). A chunk is padded to its own longest text and the batch
+    is never tokenized as a whole, so host memory follows the batch's tokens. Give `gradcache_step` each
+    column's token counts (the tokenizer without padding) as `lengths`, to sort and budget the chunks.
     """
+
+    def select(texts, index):
+        features = tokenize([texts[i] for i in index.tolist()])
+        # A plain dict: DDP looks for the output's tensors in dicts only, and a sentence-transformers model
+        # returns its input (a tokenizer's BatchEncoding) with its outputs added. Unseen, they would leave
+        # every parameter "unused" (find_unused_parameters) and then "marked ready twice".
+        return dict(features) if isinstance(features, Mapping) else features
+
+    return select
+
+
+def plan_chunks(column, chunk_size=None, sort_by_length=True, *, chunk_tokens=None, lengths=None):
+    """Index tensors splitting a column into chunks: of at most `chunk_size` examples, or of at most
+    `chunk_tokens` padded tokens (examples x the chunk's longest); exactly one of the two.
+
+    lengths:      tokens per example; by default counted from the attention mask of a features dict.
+    With `sort_by_length` and lengths, examples are ordered longest first (stable), so each chunk holds texts
+    of similar length and trims most of its padding; the longest chunk comes first, so a chunk size that
+    does not fit fails at once. A token budget takes, in that order, as many examples as fit; a chunk's
+    padded size is then its count x its first example's length. An example longer than the budget gets a
+    chunk of its own.
+    """
+    if (chunk_size is None) == (chunk_tokens is None):
+        raise ValueError("pass one of chunk_size (examples per chunk) and chunk_tokens (padded tokens).")
     batch_size = batch_size_of(column)
     mask = column.get("attention_mask") if isinstance(column, Mapping) else None
-    if sort_by_length and isinstance(mask, torch.Tensor):
-        order = torch.argsort(mask.sum(dim=1).cpu(), descending=True, stable=True)
+    if lengths is None and isinstance(mask, torch.Tensor):
+        lengths = mask.sum(dim=1)
+    if lengths is None and chunk_tokens is not None:
+        raise ValueError(
+            "chunk_tokens needs each example's length: pass lengths= (tokens per example) for a column "
+            "without an attention mask, or use chunk_size."
+        )
+    if lengths is not None:
+        lengths = torch.as_tensor(lengths).cpu()
+        if lengths.shape != (batch_size,):
+            raise ValueError(f"lengths holds {lengths.numel()} values for a column of {batch_size} examples.")
+    if sort_by_length and lengths is not None:
+        order = torch.argsort(lengths, descending=True, stable=True)
     else:
         order = torch.arange(batch_size)
-    return list(order.split(chunk_size))
+    if chunk_tokens is None:
+        return list(order.split(chunk_size))
+    chunks, chunk, longest = [], [], 0
+    for example, length in zip(order.tolist(), lengths[order].tolist(), strict=True):
+        if chunk and (len(chunk) + 1) * max(longest, length) > chunk_tokens:
+            chunks.append(chunk)
+            chunk, longest = [], 0
+        chunk.append(example)
+        longest = max(longest, length)
+    return [torch.tensor(chunk) for chunk in [*chunks, chunk]]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -344,8 +398,9 @@ def cuda_devices_of(encoder, column):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def guard_device(columns):
+def guard_device(columns, encoders):
     tensors = [v for col in columns for v in (col.values() if isinstance(col, Mapping) else [col])]
+    tensors += [next(e.parameters(), None) for e in encoders if isinstance(e, nn.Module)]  # text columns
     return next((t.device for t in tensors if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
@@ -381,15 +436,18 @@ def any_process(flag, device):
     return bool(flags.item())
 
 
-def out_of_memory_error(chunk_sizes):
-    def shown(sizes):
-        return sizes[0] if len(set(sizes)) == 1 else sizes
+def out_of_memory_error(limits, by_tokens):
+    def shown(values):
+        return values[0] if len(set(values)) == 1 else values
 
-    smaller = shown([max(size // 2, 1) for size in chunk_sizes])
+    smaller = shown([max(limit // 2, 1) for limit in limits])
+    if by_tokens:
+        chunk, use = f"up to {shown(limits)} padded tokens", "chunk_tokens"
+    else:
+        chunk, use = f"{shown(limits)} examples", "chunk size"
     return ChunkOutOfMemory(
-        f"a chunk of {shown(chunk_sizes)} examples ran out of memory (on this or another process). Use a "
-        f"chunk size of {smaller} or less: the batch, and so the gradients, stay the same; a step takes "
-        "longer."
+        f"a chunk of {chunk} ran out of memory (on this or another process). Use a {use} of {smaller} or "
+        "less: the batch, and so the gradients, stay the same; a step takes longer."
     )
 
 
@@ -411,12 +469,14 @@ def gradcache_step(
     encoders,
     columns: Sequence,
     loss_fn: Callable = contrastive_loss,
-    chunk_size=32,
+    chunk_size=None,
     *,
+    chunk_tokens=None,
+    lengths: Sequence | None = None,
     backward: Callable = torch.Tensor.backward,
     sync_context: Callable = lambda is_last: contextlib.nullcontext(),
     get_rep: Callable = sentence_embedding,
-    select: Callable = select_examples,
+    select: Callable | Sequence[Callable] = select_examples,
     sort_by_length: bool = True,
     reuse_last_chunk: bool = True,
     replay_rng: bool = True,
@@ -429,12 +489,20 @@ def gradcache_step(
                   Under DDP give each tower its own DDP wrapper; under DeepSpeed put the towers in one
                   module and pass callables that route through the engine.
     columns:      the batch, one entry per text column (anchor, positive, hard negatives...), each a
-                  sentence-transformers features dict, a tensor, or what `select` understands.
+                  sentence-transformers features dict, a tensor, or what `select` understands (a list of
+                  texts with `select=tokenize_per_chunk(...)`).
     loss_fn:      loss(*reps) -> scalar on the full batch of representations, in column order. Under
                   cross-process negatives it is called as loss(*global_reps, local_rows=slice) and
                   returns this process's share (`contrastive_loss` explains); a loss_fn without a
                   `local_rows` argument is refused there.
-    chunk_size:   examples per chunk, an int or one per column; need not divide the batch.
+    chunk_size:   examples per chunk, an int or one per column; need not divide the batch. 32 by default.
+    chunk_tokens: instead of chunk_size, padded tokens per chunk (an int or one per column): a chunk takes
+                  as many examples, longest first, as fit, so its memory follows the budget, not the
+                  batch's longest text. An example longer than the budget is a chunk of its own.
+    lengths:      tokens per example, one sequence per column (or None): orders the chunks by length and
+                  counts their tokens. Default: from a features dict's attention mask.
+    select:       select(column, index) -> the encoder's input for those examples; one callable or one
+                  per column (e.g. `tokenize_per_chunk` with each column's prompt).
     backward:     called once per chunk on a surrogate scalar: `accelerator.backward` under accelerate.
     sync_context: `sync_context(is_last)` is entered around the forward and backward of each chunk that
                   is back-propagated; only the last chunk of the batch gets `is_last=True`. See
@@ -448,15 +516,29 @@ def gradcache_step(
     """
     columns = list(columns)
     encoders = list(encoders) if isinstance(encoders, Sequence) else [encoders] * len(columns)
+    selects = list(select) if isinstance(select, Sequence) else [select] * len(columns)
     shared = len({id(encoder) for encoder in encoders}) == 1
-    chunk_sizes = list(chunk_size) if isinstance(chunk_size, Sequence) else [chunk_size] * len(columns)
-    check_step_arguments(encoders, columns, chunk_sizes, allow_batch_mixing)
+    if chunk_size is not None and chunk_tokens is not None:
+        raise ValueError(
+            "pass chunk_size or chunk_tokens, not both: a chunk is counted in examples or in padded tokens."
+        )
+    by_tokens = chunk_tokens is not None
+    if by_tokens:
+        limit_name, limit = "chunk_tokens", chunk_tokens
+    else:
+        limit_name, limit = "chunk_size", 32 if chunk_size is None else chunk_size
+    limits = list(limit) if isinstance(limit, Sequence) else [limit] * len(columns)
+    lengths = [None] * len(columns) if lengths is None else list(lengths)
+    check_step_arguments(encoders, columns, limits, by_tokens, lengths, allow_batch_mixing)
     check_loss_takes_local_rows(loss_fn, cross_process_negatives)
 
     # A group is what one backward covers. A shared encoder back-propagates chunk by chunk. Separate
     # towers back-propagate one chunk of every column together: under ZeRO-3 every backward must touch
     # every tower, or a tower's first gradient lands on a stale one (DeepSpeed issue #1355).
-    plans = [plan_chunks(col, size, sort_by_length) for col, size in zip(columns, chunk_sizes, strict=True)]
+    plans = [
+        plan_chunks(column, sort_by_length=sort_by_length, lengths=column_lengths, **{limit_name: limit})
+        for column, limit, column_lengths in zip(columns, limits, lengths, strict=True)
+    ]
     if shared:
         groups = [[(c, index)] for c, plan in enumerate(plans) for index in plan]
     else:
@@ -466,7 +548,7 @@ def gradcache_step(
         ]
 
     def encode(group):
-        return [get_rep(encoders[c](select(columns[c], index))) for c, index in group]
+        return [get_rep(encoders[c](selects[c](columns[c], index))) for c, index in group]
 
     device = None  # where the guards' flags live: the representations' device
     reps = kept_reps = None
@@ -491,8 +573,8 @@ def gradcache_step(
                 kept_reps = reps if keep else None
         except torch.OutOfMemoryError:
             out_of_memory = True  # raised below, outside the handler, whose traceback would pin the chunk
-        if any_process(out_of_memory, device or guard_device(columns)):
-            raise out_of_memory_error(chunk_sizes)
+        if any_process(out_of_memory, device or guard_device(columns, encoders)):
+            raise out_of_memory_error(limits, by_tokens)
 
         # --- Stage 2: full-batch loss on detached fp32 representations, and its gradient cache. ---
         loss, rep_grads = cache_representation_gradients(loss_fn, plans, chunk_reps, cross_process_negatives)
@@ -532,7 +614,7 @@ def gradcache_step(
         except torch.OutOfMemoryError:
             out_of_memory = True
     if out_of_memory:
-        raise out_of_memory_error(chunk_sizes)
+        raise out_of_memory_error(limits, by_tokens)
     return report
 
 
@@ -622,20 +704,21 @@ def backpropagate_cache(group, reps, rep_grads, backward):
     backward(surrogate)
 
 
-def check_step_arguments(encoders, columns, chunk_sizes, allow_batch_mixing):
+def check_step_arguments(encoders, columns, limits, by_tokens, lengths, allow_batch_mixing):
     if not columns:
         raise ValueError("columns is empty: pass at least an anchor and a positive column.")
     if len(encoders) != len(columns):
         raise ValueError(
             f"{len(encoders)} encoders for {len(columns)} columns: pass one shared or one per column."
         )
-    if len(chunk_sizes) != len(columns):
-        raise ValueError(
-            f"{len(chunk_sizes)} chunk sizes for {len(columns)} columns: pass one int or one per column."
-        )
-    for size in chunk_sizes:
-        if not isinstance(size, int) or size <= 0:
-            raise ValueError(f"chunk_size must be a positive int, got {size!r}.")
+    name, what = ("chunk_tokens", "token budgets") if by_tokens else ("chunk_size", "chunk sizes")
+    if len(limits) != len(columns):
+        raise ValueError(f"{len(limits)} {what} for {len(columns)} columns: pass one int or one per column.")
+    for limit in limits:
+        if not isinstance(limit, int) or limit <= 0:
+            raise ValueError(f"{name} must be a positive int, got {limit!r}.")
+    if len(lengths) != len(columns):
+        raise ValueError(f"lengths for {len(lengths)} columns, the batch has {len(columns)}: one per column.")
     sizes = [batch_size_of(column) for column in columns]
     if sizes[0] == 0:
         raise ValueError("the batch is empty: every column needs at least one example.")

