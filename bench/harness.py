@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import datetime
 import gc
-import inspect
 import json
 import os
 import platform
@@ -144,20 +143,6 @@ def gradcache_inputs(model, batch):
         return batch_to_device(model.preprocess(texts), model.device)
 
     return batch.columns, {"lengths": batch.lengths, "select": gradcache.tokenize_per_chunk(tokenize_chunk)}
-
-
-def tokenize_per_chunk_available():
-    # TODO-merge: drop once branch `chunks` (gradcache.tokenize_per_chunk) is in.
-    return hasattr(gradcache, "tokenize_per_chunk")
-
-
-def default_chunk_tokens(budget):
-    """`budget` where gradcache_step chunks by tokens, None (chunks by count) where it does not yet.
-
-    TODO-merge: drop once branch `chunks` (gradcache_step(..., chunk_tokens=N)) is in; presets then name
-    their budgets directly.
-    """
-    return budget if "chunk_tokens" in inspect.signature(gradcache_step).parameters else None
 
 
 def chunking(chunk_size, chunk_tokens):

@@ -29,14 +29,14 @@ PRESETS = {
     "cpu": {
         "batch_sizes": [2**k for k in range(5, 13)],
         "chunk_size": 32,
-        "chunk_tokens": harness.default_chunk_tokens(1024),
+        "chunk_tokens": 1024,
         "cap_gib": 8.0,
         "methods": ALL,
     },
     "gpu": {
         "batch_sizes": [2**k for k in range(5, 16)],
         "chunk_size": 32,
-        "chunk_tokens": harness.default_chunk_tokens(8192),
+        "chunk_tokens": 8192,
         "cap_gib": None,
         "methods": ALL,
     },

@@ -38,7 +38,7 @@ PRESETS = {
         "cut_layers": 1,
         "step_cap_gib": 20.0,  # of the 24 GiB machine: a step beyond it is reported, not swapped
         "chunk_size": 32,
-        "chunk_tokens": harness.default_chunk_tokens(1024),
+        "chunk_tokens": 1024,
         # the materialized loss needs about 6.5 GiB at 16,384 and 26 GiB at 32,768
         "loss_batch_sizes": [4**k for k in range(4, 9)],  # 256 .. 65,536
         "loss_cap_gib": 8.0,
@@ -51,7 +51,7 @@ PRESETS = {
         "cut_layers": 1,
         "step_cap_gib": None,
         "chunk_size": 256,
-        "chunk_tokens": harness.default_chunk_tokens(65536),
+        "chunk_tokens": 65536,
         "loss_batch_sizes": [2**k for k in range(10, 21, 2)],  # 1024 .. 1,048,576
         "loss_cap_gib": None,
         "time_batch_sizes": [1024, 4096, 16384],  # the materialized one needs about 100 GiB at 65,536
@@ -65,7 +65,7 @@ PRESETS = {
         "cut_layers": 1,
         "step_cap_gib": None,
         "chunk_size": 8,
-        "chunk_tokens": harness.default_chunk_tokens(256),
+        "chunk_tokens": 256,
         "loss_batch_sizes": [2048],
         "loss_cap_gib": 80 / 1024,
         "time_batch_sizes": [256],
@@ -109,7 +109,7 @@ def measure_steps(args):
             chunk_size=args.chunk_size,
             chunk_tokens=args.chunk_tokens,
             num_layers=None if batch_size <= args.full_model_max_batch else args.cut_layers,
-            tokenize_per_chunk=harness.tokenize_per_chunk_available(),
+            tokenize_per_chunk=True,
             cap_bytes=cap_bytes,
         )
         points.append(point)

@@ -43,21 +43,21 @@ PRESETS = {
     "cpu": DEFAULTS
     | {
         "batch_sizes": [64, 256, 1024],
-        "chunk_tokens": harness.default_chunk_tokens(1024),
+        "chunk_tokens": 1024,
         "plain_max_batch": 256,
         "ablation_max_batch": 256,
     },
     "gpu": DEFAULTS
     | {
         "batch_sizes": [1024, 4096],
-        "chunk_tokens": harness.default_chunk_tokens(8192),
+        "chunk_tokens": 8192,
         "plain_max_batch": 4096,
         "ablation_max_batch": 4096,
     },
     "smoke": DEFAULTS
     | {
         "batch_sizes": [8],
-        "chunk_tokens": harness.default_chunk_tokens(64),
+        "chunk_tokens": 64,
         "plain_max_batch": 8,
         "ablation_max_batch": 8,
         "chunk_size": 4,

@@ -89,10 +89,6 @@ def test_speed_compares_equal_work_and_times_every_variant(speed_run):
     assert losses["st"] == pytest.approx(losses["plain"], rel=1e-5)
     assert max(agreement["max_gradient_difference"].values()) < 1e-4
     (measurement,) = saved["results"]["measurements"]
-    # TODO-merge: the token-budget pair runs unconditionally once gradcache_step takes chunk_tokens
-    token_budget = (
-        ["ST cached, token budget", "ours, token budget"] if saved["settings"]["chunk_tokens"] else []
-    )
     assert set(measurement["runs"]) == {
         "plain",
         "ST cached",
@@ -100,7 +96,8 @@ def test_speed_compares_equal_work_and_times_every_variant(speed_run):
         "ours, unsorted",
         "ours, no reuse",
         "ours, unsorted, no reuse",
-        *token_budget,
+        "ST cached, token budget",
+        "ours, token budget",
     }
     for name, runs in measurement["runs"].items():
         assert len(runs) == saved["settings"]["rounds"] == len(measurement["parts"][name])
@@ -147,6 +144,8 @@ def test_scale_cut_model_step_and_loss_stage_under_a_cap(scale_run):
     settings, results = saved["settings"], saved["results"]
     (step,) = results["steps"]
     assert step["fits"] and step["num_layers"] == settings["cut_layers"] == 1
+    # as train.py runs it: texts tokenized chunk by chunk, chunks by a token budget
+    assert step["tokenize_per_chunk"] and step["chunk_tokens"] == settings["chunk_tokens"]
     assert step["step_peak_bytes"] > 0 and set(step["phase_added_bytes"]) == {"chunks", "loss"}
     cap = settings["loss_cap_gib"] * 2**30
     by_kind = {point["kind"]: point for point in results["loss_memory"]}
