@@ -15,7 +15,7 @@ Three parts, on anchor, positive and hard-negative columns (d = 384 representati
     c. time    seconds of stage 2 alone, tiled against materialized, in one process, alternating, where
                both fit: the median of the per-round ratios.
 
-    python bench/scale.py                             # CPU: to 65,536; about 40 min on 2 quiet cores (est.)
+    python bench/scale.py                             # CPU: to 65,536; about 50 min on 2 quiet cores (est.)
     python bench/scale.py --device cuda --preset gpu  # one H200: to 1,048,576, full model; 10-15 min (est.)
     python bench/scale.py --preset smoke              # seconds: the test suite runs this
 
