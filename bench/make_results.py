@@ -22,9 +22,12 @@ SECTIONS = {
     "speed": "2. Cost of a step",
     "memory_cap": "3. Largest batch under a memory cap",
     "quality": "4. Batch size and quality",
+    "scale": "5. How far the batch goes: full steps to 65,536 and the loss stage alone",
 }
 DEVICES = {"cpu": "", "gpu": " --device cuda --preset gpu", "smoke": " --preset smoke"}
-MEMORY_TARGET, ST_TARGET, PLAIN_TARGET = 1.15, 0.7, 1.25
+MEMORY_TARGET, ST_TARGET, PLAIN_TARGET, TILED_TIME_TARGET = 1.15, 0.7, 1.25, 1.3
+ST_TARGET_MIN_BATCH, TILED_TIME_MAX_BATCH, FULL_STEP_BATCH = 256, 4096, 65536
+LOSS_STAGE_TARGETS = {16384: 2**30, 65536: 2 * 2**30}  # batch -> bytes the loss stage may add
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--results_dir", default=str(BENCH_DIR / "results"))
@@ -48,10 +51,11 @@ def mib(num_bytes):
 
 
 def memory_targets(saved):
-    """Ours flat (largest batch vs batch 64, or the smallest run), plain growing."""
-    points = {(p["method"], p["batch_size"]): p for p in saved["points"]}
+    """Ours flat with a token budget (largest batch vs batch 64, or the smallest run), plain growing."""
+    points = {(p["method"], p["batch_size"]): p for p in saved["results"]}
     ours = sorted(b for m, b in points if m == "ours" and points[m, b]["fits"])
     plain = sorted(b for m, b in points if m == "plain" and points[m, b]["fits"])
+    chunk_tokens = saved["settings"].get("chunk_tokens")
     rows, why = [], []
     if len(ours) >= 2:
         small, large = 64 if 64 in ours else ours[0], ours[-1]
@@ -59,17 +63,25 @@ def memory_targets(saved):
         ratio = peak_large["step_peak_bytes"] / peak_small["step_peak_bytes"]
         rows.append(
             [
-                f"memory: ours' step peak at batch {large} at most {MEMORY_TARGET}x the one at batch {small}",
+                f"memory: with --chunk_tokens, ours' step peak at batch {large} at most {MEMORY_TARGET}x the "
+                f"one at batch {small}",
                 f"{ratio:.2f}x ({mib(peak_large['step_peak_bytes'])} against "
-                f"{mib(peak_small['step_peak_bytes'])})",
-                verdict(ratio, MEMORY_TARGET),
+                f"{mib(peak_small['step_peak_bytes'])}), "
+                + (
+                    f"chunks of {chunk_tokens} tokens"
+                    if chunk_tokens
+                    else f"chunks of {saved['settings']['chunk_size']} examples"
+                ),
+                verdict(ratio, MEMORY_TARGET)
+                if chunk_tokens
+                else "not checked: this run had no token budget",
             ]
         )
         if ratio > MEMORY_TARGET:
             why.append(memory_miss(points, small, large))
     if len(plain) >= 2:
         first, last = points["plain", plain[0]], points["plain", plain[-1]]
-        failed = [p["batch_size"] for p in saved["points"] if p["method"] == "plain" and not p["fits"]]
+        failed = [p["batch_size"] for p in saved["results"] if p["method"] == "plain" and not p["fits"]]
         stop = f"; batch {failed[0]} did not fit in {saved['settings']['cap_gib']:g} GiB" if failed else ""
         grows = all(
             points["plain", a]["step_peak_bytes"] < points["plain", b]["step_peak_bytes"]
@@ -86,44 +98,56 @@ def memory_targets(saved):
     return rows, why
 
 
+def growth_exponent(points, key):
+    """e in value ~ batch^e between the two largest batches: how a reading grows with the batch."""
+    (b1, v1), (b2, v2) = sorted((b, key(p)) for b, p in points.items())[-2:]
+    return math.log(v2 / v1) / math.log(b2 / b1) if v1 > 0 and v2 > 0 else None
+
+
 def memory_miss(points, small, large):
-    """Where ours' growth comes from, from the phase peaks and the longest texts of each batch."""
+    """The readings behind ours' growth: phase peaks and the longest texts of each batch (no reasons)."""
     low, high = points["ours", small], points["ours", large]
-    st = points.get(("st", large))
-    st_note = (
-        f" Sentence-transformers' cached loss, which chunks that loss, peaks at {mib(st['step_peak_bytes'])} "
-        f"at batch {large}: the same growth, from the same longest chunk."
-        if st
-        else ""
-    )
     chunks_high, chunks_low = high["phase_peak_bytes"]["chunks"], low["phase_peak_bytes"]["chunks"]
+    notes = [
+        f"Memory: at batch {large} the peak during the chunks (stages 1 and 3, with the optimizer) is "
+        f"{mib(chunks_high)} against {mib(chunks_low)} at batch {small}; the longest text is "
+        f"{high['longest_text_tokens']} tokens at batch {large} against {low['longest_text_tokens']} at "
+        f"batch {small}."
+    ]
     same_length = min(
         b
         for m, b in points
         if m == "ours" and points[m, b].get("longest_text_tokens") == high["longest_text_tokens"]
     )
-    same_length_note = (
-        f" From batch {same_length} to {large}, whose longest texts have the same length, the peak grows "
-        f"{high['step_peak_bytes'] / points['ours', same_length]['step_peak_bytes']:.2f}x."
-        if same_length < large
-        else ""
-    )
+    if same_length < large:
+        notes.append(
+            f"From batch {same_length} to {large}, whose longest texts have the same length, the peak grows "
+            f"{high['step_peak_bytes'] / points['ours', same_length]['step_peak_bytes']:.2f}x."
+        )
+    if "phase_added_bytes" in high:
+        ours = {b: p for (m, b), p in points.items() if m == "ours" and p["fits"]}
+        exponent = growth_exponent(ours, lambda p: p["phase_added_bytes"]["loss"])
+        notes.append(
+            f"Stage 2, the loss, adds {mib(high['phase_added_bytes']['loss'])} above its inputs at batch "
+            f"{large}"
+            + (f", growing as batch^{exponent:.1f} over the two largest batches." if exponent else ".")
+        )
+    st_high, st_low = points.get(("st", large)), points.get(("st", small))
+    if st_high and st_low and st_high["fits"] and st_low["fits"]:
+        notes.append(
+            f"Sentence-transformers' cached loss peaks at {mib(st_high['step_peak_bytes'])} at batch "
+            f"{large}, "
+            f"{st_high['step_peak_bytes'] / st_low['step_peak_bytes']:.2f}x its peak at batch {small}."
+        )
     process_ratio = (high["baseline_bytes"] + high["step_peak_bytes"]) / (
         low["baseline_bytes"] + low["step_peak_bytes"]
     )
-    return (
-        f"Memory: at batch {large} the peak during the chunks (stages 1 and 3, with the optimizer) is "
-        f"{mib(chunks_high)} against {mib(chunks_low)} at batch {small}: a chunk is padded to its longest "
-        "text, and the chunk holding the batch's longest texts costs the most; the longest text is "
-        f"{high['longest_text_tokens']} tokens at batch {large} against {low['longest_text_tokens']} at "
-        f"batch {small}, and attention memory grows with the square of it.{same_length_note} The peak "
-        "during stage 2, the "
-        f"loss over the whole batch (a {large} x {2 * large} score matrix, its softmax and their gradients, "
-        f"not chunked), is {mib(high['phase_peak_bytes']['loss'])}, growing with the square of the batch."
-        f"{st_note} Counted with what the process holds before the step (model, AdamW state, libraries: "
+    notes.append(
+        f"Counted with what the process holds before the step (model, AdamW state, libraries: "
         f"{mib(high['baseline_bytes'])}), the peak at batch {large} is {process_ratio:.2f}x the one at "
         f"batch {small}."
     )
+    return " ".join(notes)
 
 
 def paired_ratios(runs, numerator, denominator):
@@ -133,34 +157,54 @@ def paired_ratios(runs, numerator, denominator):
 def speed_targets(saved):
     rows, why = [], []
     measurements = saved["results"]["measurements"]
-    for other, limit in (("ST cached", ST_TARGET), ("plain", PLAIN_TARGET)):
+    chunk_tokens = saved["settings"].get("chunk_tokens")
+    budget = f"equal token budget ({chunk_tokens})" if chunk_tokens else "equal token budget"
+    chunk = f"equal chunk ({saved['settings']['chunk_size']} examples)"
+    comparisons = [
+        # (ours' variant, the other, limit, smallest batch checked, the target's words)
+        ("ours", "ST cached", ST_TARGET, 0, "{} and " + chunk),
+        (
+            "ours, token budget",
+            "ST cached, token budget",
+            ST_TARGET,
+            ST_TARGET_MIN_BATCH,
+            f"{{}} and {budget}, batch {ST_TARGET_MIN_BATCH} and up",
+        ),
+        ("ours", "plain", PLAIN_TARGET, 0, "{}, where plain fits"),
+    ]
+    for ours, other, limit, min_batch, words in comparisons:
+        shown = other.split(",")[0]
+        target = f"speed: a step of ours at most {limit}x one of {shown} at " + words.format("equal batch")
         measured = [
-            (m["batch_size"], statistics.median(paired_ratios(m["runs"], "ours", other)), m)
+            (m["batch_size"], statistics.median(paired_ratios(m["runs"], ours, other)), m)
             for m in measurements
-            if other in m["runs"] and "ours" in m["runs"]
+            if other in m["runs"] and ours in m["runs"] and m["batch_size"] >= min_batch
         ]
         if not measured:
+            if other == "ST cached, token budget":
+                reason = (
+                    "no token budget in this run" if not chunk_tokens else f"no batch of {min_batch} or more"
+                )
+                rows.append([target, "-", f"not measured: {reason}"])
             continue
         worst = max(ratio for _, ratio, _ in measured)
         rows.append(
             [
-                f"speed: a step of ours at most {limit}x one of {other} at equal batch"
-                + (" and chunk" if other == "ST cached" else ", where plain fits"),
+                target,
                 ", ".join(f"batch {batch}: {ratio:.2f}x" for batch, ratio, _ in measured),
                 verdict(worst, limit),
             ]
         )
         if worst > limit:
             missed = [m for _, ratio, m in measured if ratio > limit]
-            why.append(speed_miss(other, missed, saved["settings"]["chunk_size"]))
+            why.append(speed_miss(ours, other, missed))
     agreement = saved["results"]["agreement"]
     difference = agreement["max_gradient_difference"]["ours"]
     rows.append(
         [
             "exactness: no speed-up changes the gradient",
             f"ours vs plain at batch {agreement['batch_size']}, dropout off: largest gradient difference "
-            f"{difference:.1e} of the largest gradient (float32 rounding); the exactness tests are "
-            "tests/test_gradcache.py",
+            f"{difference:.1e} of the largest gradient; the exactness tests are tests/test_gradcache.py",
             "met" if difference < 1e-4 else "missed",
         ]
     )
@@ -171,41 +215,31 @@ def median_part(measurement, name, *parts):
     return statistics.median(sum(p.get(part, 0.0) for part in parts) for p in measurement["parts"][name])
 
 
-def speed_miss(other, measurements, chunk_size):
-    """Where ours' time goes at the batches that missed, against the other variant's."""
-    smallest = min(m["batch_size"] for m in measurements)
-    chunks_per_column = math.ceil(smallest / chunk_size)
+def speed_miss(ours, other, measurements):
+    """Where the time of the batches that missed goes, part by part, against the other variant's."""
     notes = []
     for m in measurements:
-        batch, step = m["batch_size"], median_part(m, "ours", *m["parts"]["ours"][0])
-        encoding = {
+        batch, step = m["batch_size"], median_part(m, ours, *m["parts"][ours][0])
+        forward = {
             name: median_part(m, name, "forward no grad", "forward with grad")
-            for name in ("ours", "ours, unsorted", other)
+            for name in (ours, other, "ours, unsorted")
             if name in m["parts"]
         }
-        overhead = median_part(m, "ours", "stage 2: loss and its gradient", "selecting chunks")
+        overhead = median_part(m, ours, "stage 2: loss and its gradient", "selecting chunks")
         note = (
-            f"batch {batch}: ours spends {overhead:.2f} s of a {step:.2f} s step in stage 2 and chunk "
-            f"selection, the rest in the model (forward passes {encoding['ours']:.2f} s against "
-            f"{encoding[other]:.2f} s for {other}, then backward)"
+            f"batch {batch}: {ours} spends {overhead:.2f} s of a {step:.2f} s step in stage 2 and chunk "
+            f"selection; its forward passes take {forward[ours]:.2f} s against {forward[other]:.2f} s for "
+            f"{other}"
         )
-        if "ours, unsorted" in encoding:
-            note += (
-                f"; sorting by length cuts the forward time to "
-                f"{encoding['ours'] / encoding['ours, unsorted']:.2f}x of chunks in batch order"
-            )
+        if ours == "ours" and "ours, unsorted" in forward:
+            note += f"; unsorted chunks' forward passes take {forward['ours, unsorted']:.2f} s"
         notes.append(note)
-    return (
-        f"Speed against {other}: "
-        + "; ".join(notes)
-        + ". The saving is padding: a chunk is padded to its longest text, so it grows with the number of "
-        f"chunks a column is cut into ({chunks_per_column} per column at batch {smallest} with chunk "
-        f"{chunk_size}) and with the spread of lengths."
-    )
+    return f"Speed, {ours} against {other}: " + "; ".join(notes) + "."
 
 
 def quality_claim(saved):
-    trained = [run for run in saved["runs"] if run["batch_size"]]
+    runs = saved["results"]
+    trained = [run for run in runs if run["batch_size"]]
     if len(trained) < 2:
         return [], []
     increasing = all(a["mrr@10"] < b["mrr@10"] for a, b in zip(trained, trained[1:], strict=False))
@@ -213,20 +247,91 @@ def quality_claim(saved):
         "claim of the paper: a bigger batch gives better representations (equal epochs)",
         "dev MRR@10 "
         + ", ".join(f"batch {run['batch_size']}: {run['mrr@10']:.4f}" for run in trained)
-        + f" (before fine-tuning {saved['runs'][0]['mrr@10']:.4f})",
+        + f" (before fine-tuning {runs[0]['mrr@10']:.4f})",
         "holds here" if increasing else "not seen in this run",
     ]
     steps = [run.get("optimizer_steps") for run in trained]
     why = []
     if not increasing and all(steps):
         why.append(
-            "Quality: with equal epochs a bigger batch takes fewer optimizer steps ("
+            "Quality: with equal epochs the runs took these optimizer steps: "
             + ", ".join(f"batch {run['batch_size']}: {n}" for run, n in zip(trained, steps, strict=True))
-            + f") over {saved['settings']['train_examples'] or 'all'} training examples, one run per batch "
-            "size: too few updates at the largest batch to test the claim. The GPU preset trains on all "
-            "examples."
+            + f", over {saved['settings']['train_examples'] or 'all'} training examples, one run per batch "
+            "size."
         )
     return [row], why
+
+
+def scale_targets(saved):
+    """The issue's scale targets: the loss stage's memory in a full step, the tiled loss's time, 65,536."""
+    results, rows = saved["results"], []
+    steps = {p["batch_size"]: p for p in results["steps"]}
+    for batch, limit in LOSS_STAGE_TARGETS.items():
+        target = f"loss stage: a step at batch {batch:,} adds at most {mib(limit)} beyond its inputs"
+        point = steps.get(batch)
+        if point is None or not point["fits"]:
+            rows.append([target, "-", "missed: the step did not fit" if point else "not measured"])
+            continue
+        added = point["phase_added_bytes"]["loss"]
+        rows.append([target, f"{mib(added)} ({model_name(point)})", verdict(added, limit)])
+    timed = [p for p in results["loss_time"] if p["batch_size"] <= TILED_TIME_MAX_BATCH]
+    target = f"tiled loss time at most {TILED_TIME_TARGET}x the materialized one where both fit"
+    if timed:
+        ratios = [(p["batch_size"], statistics.median(tiled_ratios(p))) for p in timed]
+        rows.append(
+            [
+                target,
+                ", ".join(f"batch {batch}: {ratio:.2f}x" for batch, ratio in ratios),
+                verdict(max(ratio for _, ratio in ratios), TILED_TIME_TARGET),
+            ]
+        )
+    else:
+        rows.append([target, "-", "not measured"])
+    target = f"a full training step at batch {FULL_STEP_BATCH:,}, three columns, on this machine"
+    point = steps.get(FULL_STEP_BATCH)
+    if point is None:
+        rows.append([target, "-", "not measured"])
+    elif not point["fits"]:
+        cap = saved["settings"].get("step_cap_gib")
+        rows.append([target, f"did not fit in {cap:g} GiB" if cap else "did not fit", "missed"])
+    else:
+        process_peak = point["baseline_bytes"] + point["step_peak_bytes"]
+        ram = saved["provenance"].get("ram_bytes")
+        fits = point["fits"] and (ram is None or process_peak < ram)
+        rows.append(
+            [
+                target,
+                f"process peak {mib(process_peak)}"
+                + (f" of {mib(ram)} RAM" if ram else "")
+                + f", step {point['seconds'] / 60:.0f} min ({model_name(point)})",
+                "met" if fits else "missed: did not fit",
+            ]
+        )
+    return rows, []
+
+
+def model_name(point):
+    layers = point.get("num_layers")
+    return "full model" if layers is None else f"model cut to its first {layers} layer(s)"
+
+
+def tiled_ratios(point):
+    seconds = point["seconds"]
+    return [tiled / other for tiled, other in zip(seconds["tiled"], seconds["materialized"], strict=True)]
+
+
+def commits_line(loaded):
+    """One clean commit for every section, or a loud line saying which section ran where."""
+    runs = {f"{name} ({preset})": saved["provenance"] for (name, preset), saved in loaded.items()}
+    commits = {info["commit"].split(" ")[0] for info in runs.values()}
+    dirty = [run for run, info in runs.items() if info.get("uncommitted_changes") or " " in info["commit"]]
+    if len(commits) == 1 and not dirty:
+        return f"Every section ran at commit {commits.pop()}, with a clean working tree."
+    return (
+        "**Not one clean commit: these results are not reproducible as a whole.** "
+        + "; ".join(f"{run}: {info['commit']}" for run, info in runs.items())
+        + (f". Uncommitted changes in: {', '.join(dirty)}." if dirty else ".")
+    )
 
 
 def section_text(results_dir, name, preset, output):
@@ -242,12 +347,22 @@ def main(argv=None):
     args = parser.parse_args(argv)
     results_dir, output = Path(args.results_dir), Path(args.output)
     checked = args.presets[0]
+    loaded = {
+        (name, preset): saved
+        for name in SECTIONS
+        for preset in args.presets
+        if (saved := load(results_dir, name, preset)) is not None
+    }
+    checks = {
+        "memory": memory_targets,
+        "speed": speed_targets,
+        "quality": quality_claim,
+        "scale": scale_targets,
+    }
     target_rows, why = [], []
-    memory, speed = load(results_dir, "memory", checked), load(results_dir, "speed", checked)
-    quality = load(results_dir, "quality", checked)
-    for saved, check in ((memory, memory_targets), (speed, speed_targets), (quality, quality_claim)):
-        if saved is not None:
-            rows, reasons = check(saved)
+    for name, check in checks.items():
+        if (name, checked) in loaded:
+            rows, reasons = check(loaded[name, checked])
             target_rows += rows
             why += reasons
     lines = [
@@ -257,11 +372,15 @@ def main(argv=None):
         "their tables, plots and JSON; no number here is typed by hand. Each section names the command, "
         "date, commit and machine of its run.",
         "",
+        commits_line(loaded),
+        "",
         "Compared: a training step of all-MiniLM-L6-v2 on anchor, positive and hard-negative columns of "
         "data/wordnet_train.jsonl.gz, in-batch negatives with cosine similarity (`contrastive_loss` at "
         "`harness.SCALE`), computed three ways: **plain** (the full batch through the model at once), "
         "**ours** (`gradcache.gradcache_step`) and **ST cached** (sentence-transformers' "
-        "`CachedMultipleNegativesRankingLoss`) at the same chunk.",
+        "`CachedMultipleNegativesRankingLoss`) at the same chunk: the same number of examples, or the same "
+        "token budget where a section says so. Section 5 also measures the loss stage alone on random "
+        "representations.",
         "",
         f"## Targets (checked on the {checked} results)",
         "",
@@ -270,19 +389,26 @@ def main(argv=None):
         *("| " + " | ".join(row) + " |" for row in target_rows),
     ]
     if why:
-        lines += ["", "### Why the misses", "", *(f"- {reason}" for reason in why)]
+        lines += ["", "### The readings behind the misses", "", *(f"- {reason}" for reason in why)]
     for name, title in SECTIONS.items():
         lines += ["", f"## {title}"]
         for preset in args.presets:
             lines += ["", f"### {preset.upper()}", "", section_text(results_dir, name, preset, output)]
     lines += [
         "",
-        "## Filling in the GPU column",
+        "## Regenerating every section at one commit",
         "",
-        "On a machine with one GPU, from the repository root: one command per benchmark, each preset sized "
-        "for a few minutes on an H200 (estimates: the GPU presets have not run yet), then the assembly. "
-        "Where the results must travel back (the project's device tool returns what is written under "
-        "$OUT), add `--out_dir $OUT` to each and copy the files into bench/results/ before assembling.",
+        "Commit first: a script refuses to run on uncommitted changes (its outputs, bench/results/ and this "
+        "file, excepted), so that each section names the commit that ran. Then, from the repository root "
+        "on a quiet machine, one command per benchmark and the assembly; commit the results after:",
+        "",
+        *(f"    python bench/{name}.py{DEVICES['cpu']}" for name in SECTIONS),
+        "    python bench/make_results.py",
+        "",
+        "On a machine with one GPU the same with the GPU presets, each sized for minutes on an H200 "
+        "(estimates: the GPU presets have not run yet). Where the results must travel back (the project's "
+        "device tool returns what is written under $OUT), add `--out_dir $OUT` to each and copy the files "
+        "into bench/results/ before assembling.",
         "",
         *(f"    python bench/{name}.py{DEVICES['gpu']}" for name in SECTIONS),
         "    python bench/make_results.py",

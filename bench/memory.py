@@ -1,10 +1,13 @@
-"""Benchmark 1: peak memory of one training step against the batch size, at a fixed chunk size.
+"""Benchmark 1: peak memory of one training step against the batch size, at a fixed chunk budget.
 
 Plain full-batch training (until it no longer fits under the cap), this project's gradcache_step and
-sentence-transformers' CachedMultipleNegativesRankingLoss at the same chunk size, on anchor, positive
-and hard-negative columns of data/wordnet_train.jsonl.gz. On CPU every point runs in a fresh process and
-reads the peak resident set above the one just before the step (bench/harness.py says what is in it); on
-CUDA every point reads torch.cuda.max_memory_allocated above the memory allocated before the step.
+sentence-transformers' CachedMultipleNegativesRankingLoss at the same chunk budget (a token budget where
+the preset names one, else a number of examples), on anchor, positive and hard-negative columns of
+data/wordnet_train.jsonl.gz. For ours, stage 2 (the loss and its gradients) is also read alone: its peak
+above the memory at its own start, i.e. above its inputs and the graph of the chunk kept for reuse.
+On CPU every point runs in a fresh process and reads the peak resident set above the one just before
+the step (bench/harness.py says what is in it); on CUDA every point reads torch.cuda.max_memory_allocated
+above the memory allocated before the step.
 
     python bench/memory.py                               # CPU: batches 32..4096, about 1 h on 2 busy cores
     python bench/memory.py --device cuda --preset gpu    # one GPU: batches 32..32768, a few minutes
@@ -13,39 +16,49 @@ CUDA every point reads torch.cuda.max_memory_allocated above the memory allocate
 Writes bench/results/memory_<preset>.{json,md,png}.
 """
 
-import argparse
-import json
-import shlex
-import sys
-from pathlib import Path
-
 import harness
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib import ticker  # noqa: E402
 
 ALL = list(harness.METHODS)
+# chunk_tokens: ours chunks by that padded-token budget, ST's cached loss by that many tokens (its
+# mini_batch_num_tokens); None chunks both by chunk_size examples.
 PRESETS = {
-    "cpu": {"batch_sizes": [2**k for k in range(5, 13)], "chunk_size": 32, "cap_gib": 8.0, "methods": ALL},
-    "gpu": {"batch_sizes": [2**k for k in range(5, 16)], "chunk_size": 32, "cap_gib": None, "methods": ALL},
+    "cpu": {
+        "batch_sizes": [2**k for k in range(5, 13)],
+        "chunk_size": 32,
+        "chunk_tokens": 1024,
+        "cap_gib": 8.0,
+        "methods": ALL,
+    },
+    "gpu": {
+        "batch_sizes": [2**k for k in range(5, 16)],
+        "chunk_size": 32,
+        "chunk_tokens": 8192,
+        "cap_gib": None,
+        "methods": ALL,
+    },
     # the test suite's: seconds, two fresh processes (ST's point measures like plain's, its step runs in
     # the smoke run of speed.py)
-    "smoke": {"batch_sizes": [16], "chunk_size": 4, "cap_gib": 8.0, "methods": ["plain", "ours"]},
+    "smoke": {
+        "batch_sizes": [16],
+        "chunk_size": 4,
+        "chunk_tokens": None,
+        "cap_gib": 8.0,
+        "methods": ["plain", "ours"],
+    },
 }
 
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-parser.add_argument("--preset", choices=PRESETS, default=None, help="default: gpu on cuda, cpu otherwise")
+parser = harness.benchmark_parser(__doc__, PRESETS)
 parser.add_argument("--batch_sizes", type=int, nargs="+", help="override the preset's batch sizes")
 parser.add_argument("--chunk_size", type=int, help="override the preset's chunk size")
+parser.add_argument("--chunk_tokens", type=int, help="override the preset's chunk token budget")
 parser.add_argument(
     "--cap_gib", type=float, help="memory a step may use above its baseline (default: the preset's)"
 )
 parser.add_argument("--methods", nargs="+", choices=harness.METHODS, help="default: the preset's")
-parser.add_argument("--out_dir", default=str(harness.RESULTS_DIR), help="where the results go")
-parser.add_argument("--render_only", action="store_true", help="redo table and plot from the saved json")
 
 
 def measure(args):
@@ -59,6 +72,7 @@ def measure(args):
                 "method": method,
                 "batch_size": batch_size,
                 "chunk_size": args.chunk_size,
+                "chunk_tokens": args.chunk_tokens,
                 "device": args.device,
                 "cap_bytes": cap_bytes,
             }
@@ -78,13 +92,9 @@ def measure(args):
 
 def table(points, args):
     by_key = {(p["method"], p["batch_size"]): p for p in points}
-    cap = "device memory" if args.cap_gib is None else f"{args.cap_gib:g} GiB"
 
     def cell(method, batch_size):
-        point = by_key.get((method, batch_size))
-        if point is None:
-            return "not run (a smaller batch did not fit)" if method in {p["method"] for p in points} else "-"
-        return harness.mib(point["step_peak_bytes"]) if point["fits"] else f"did not fit in {cap}"
+        return harness.memory_cell(points, "method", method, batch_size, "step_peak_bytes", args.cap_gib)
 
     ours_reference = next(
         (by_key[("ours", b)] for b in (64, *args.batch_sizes) if ("ours", b) in by_key),
@@ -95,7 +105,7 @@ def table(points, args):
         "longest text (tokens)",
         "plain (MiB)",
         "ours (MiB)",
-        "ours: peak during stage 2, the loss (MiB)",
+        "ours: stage 2, the loss, above its inputs (MiB)",
         "ST cached (MiB)",
         f"ours / ours at batch {ours_reference['batch_size'] if ours_reference else '-'}",
     ]
@@ -111,7 +121,7 @@ def table(points, args):
                 longest or "-",
                 cell("plain", batch_size),
                 cell("ours", batch_size),
-                harness.mib(ours["phase_peak_bytes"]["loss"]) if ours and ours["fits"] else "-",
+                loss_stage_cell(ours),
                 cell("st", batch_size),
                 f"{ours['step_peak_bytes'] / ours_reference['step_peak_bytes']:.2f}x"
                 if ours and ours["fits"] and ours_reference
@@ -119,6 +129,21 @@ def table(points, args):
             ]
         )
     return harness.markdown_table(header, rows)
+
+
+def loss_stage_cell(ours):
+    """What stage 2 allocates itself; results of older scripts only have its peak above the step's start."""
+    if not ours or not ours["fits"]:
+        return "-"
+    if "phase_added_bytes" not in ours:
+        return "not measured by this run's script"
+    return harness.mib(ours["phase_added_bytes"]["loss"])
+
+
+def chunking_description(args):
+    if getattr(args, "chunk_tokens", None):
+        return f"chunks of {args.chunk_tokens} tokens"
+    return f"chunk {args.chunk_size}"
 
 
 def plot(points, args, path):
@@ -142,53 +167,16 @@ def plot(points, args, path):
                 color="black",
                 label=f"{harness.METHOD_LABELS[method]}: did not fit in {args.cap_gib:g} GiB",
             )
-    axes.set_xscale("log", base=2)
-    axes.xaxis.set_major_formatter(ticker.ScalarFormatter())
-    axes.set_yscale("log", base=2)
-    axes.yaxis.set_major_formatter(ticker.ScalarFormatter())
-    axes.yaxis.set_minor_formatter(ticker.NullFormatter())
-    axes.set_xlabel("batch size (examples; 3 texts each)")
-    axes.set_ylabel("peak memory of one step above baseline (MiB)")
-    axes.set_title(f"Memory of one training step, chunk {args.chunk_size} ({args.device})")
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-
-
-def render(json_path):
-    """The markdown table and the plot, from the points saved in `json_path` (the table can change alone)."""
-    saved = json.loads(json_path.read_text())
-    args, points = argparse.Namespace(**saved["settings"]), saved["points"]
-    plot(points, args, json_path.with_suffix(".png"))
-    markdown = "\n\n".join(
-        [
-            harness.provenance_markdown(saved["provenance"]),
-            table(points, args),
-            f"![memory vs batch size]({json_path.stem}.png)",
-        ]
+    harness.log_axes(
+        axes,
+        ylabel="peak memory of one step above baseline (MiB)",
+        title=f"Memory of one training step, {chunking_description(args)} ({args.device})",
     )
-    json_path.with_suffix(".md").write_text(markdown + "\n")
-    print(markdown)
+    harness.save_figure(figure, path)
 
 
 def main(argv=None):
-    args = parser.parse_args(argv)
-    args.preset = args.preset or ("gpu" if args.device.startswith("cuda") else "cpu")
-    json_path = Path(args.out_dir) / f"memory_{args.preset}.json"
-    if args.render_only:
-        render(json_path)
-        return
-    for key, value in PRESETS[args.preset].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    command = shlex.join(["python", "bench/memory.py", *(sys.argv[1:] if argv is None else argv)])
-    info = harness.provenance(args.device, command)
-    points = measure(args)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({"provenance": info, "settings": vars(args), "points": points}, indent=1))
-    render(json_path)
+    harness.run_benchmark("memory", parser, PRESETS, measure, table, plot, "memory vs batch size", argv)
 
 
 if __name__ == "__main__":

@@ -14,12 +14,6 @@ the last batch that fit and the first that did not (multiples of 8).
 Writes bench/results/memory_cap_<preset>.{json,md,png}.
 """
 
-import argparse
-import json
-import shlex
-import sys
-from pathlib import Path
-
 import harness
 import matplotlib
 
@@ -34,17 +28,13 @@ PRESETS = {
 }
 METHODS = ("plain", "ours")
 
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-parser.add_argument("--preset", choices=PRESETS, default=None, help="default: gpu on cuda, cpu otherwise")
+parser = harness.benchmark_parser(__doc__, PRESETS)
 parser.add_argument("--cap_gib", type=float, help="memory a step may use beyond the process's before it")
 parser.add_argument("--chunk_size", type=int, help="chunk size of ours")
 parser.add_argument("--start_batch", type=int, help="first batch tried")
 parser.add_argument("--max_batch", type=int, help="largest batch tried (bounds the run time)")
 parser.add_argument("--bisections", type=int, help="bisection probes after the doubling")
 parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-parser.add_argument("--out_dir", default=str(harness.RESULTS_DIR), help="where the results go")
-parser.add_argument("--render_only", action="store_true", help="redo table and plot from the saved json")
 
 
 def search(method, args):
@@ -160,39 +150,13 @@ def plot(results, args, path):
     plt.close(figure)
 
 
-def render(json_path):
-    saved = json.loads(json_path.read_text())
-    args, results = argparse.Namespace(**saved["settings"]), saved["results"]
-    plot(results, args, json_path.with_suffix(".png"))
-    markdown = "\n\n".join(
-        [
-            harness.provenance_markdown(saved["provenance"]),
-            table(results, args),
-            f"![largest batch under a memory cap]({json_path.stem}.png)",
-        ]
-    )
-    json_path.with_suffix(".md").write_text(markdown + "\n")
-    print(markdown)
+def measure(args):
+    return [search(method, args) for method in args.methods]
 
 
 def main(argv=None):
-    args = parser.parse_args(argv)
-    args.preset = args.preset or ("gpu" if args.device.startswith("cuda") else "cpu")
-    json_path = Path(args.out_dir) / f"memory_cap_{args.preset}.json"
-    if args.render_only:
-        render(json_path)
-        return
-    for key, value in PRESETS[args.preset].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    command = shlex.join(["python", "bench/memory_cap.py", *(sys.argv[1:] if argv is None else argv)])
-    info = harness.provenance(args.device, command)
-    results = [search(method, args) for method in args.methods]
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(
-        json.dumps({"provenance": info, "settings": vars(args), "results": results}, indent=1)
-    )
-    render(json_path)
+    image = "largest batch under a memory cap"
+    harness.run_benchmark("memory_cap", parser, PRESETS, measure, table, plot, image, argv)
 
 
 if __name__ == "__main__":

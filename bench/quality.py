@@ -17,8 +17,6 @@ Writes bench/results/quality_<preset>.{json,md,png}; the training runs go to ben
 deleted once scored.
 """
 
-import argparse
-import json
 import math
 import re
 import shlex
@@ -58,9 +56,7 @@ PRESETS = {
     "smoke": {"batch_sizes": [8], "chunk_size": 4, "train_examples": 16, "epochs": 1, "dev_queries": 16},
 }
 
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--device", default="cpu", help="cpu or cuda (picks the accelerate config)")
-parser.add_argument("--preset", choices=PRESETS, default=None, help="default: gpu on cuda, cpu otherwise")
+parser = harness.benchmark_parser(__doc__, PRESETS)
 parser.add_argument("--batch_sizes", type=int, nargs="+", help="override the preset's batch sizes")
 parser.add_argument("--chunk_size", type=int, help="Gradient Cache chunk of every run")
 parser.add_argument("--train_examples", type=int, help="seeded subset of the training file; 0 for all")
@@ -69,8 +65,6 @@ parser.add_argument("--dev_queries", type=int, help="dev definitions used as que
 parser.add_argument("--reference_lr", type=float, default=2e-4, help="learning rate at --reference_batch")
 parser.add_argument("--reference_batch", type=int, default=128)
 parser.add_argument("--seed", type=int, default=42)
-parser.add_argument("--out_dir", default=str(harness.RESULTS_DIR), help="where the results go")
-parser.add_argument("--render_only", action="store_true", help="redo table and plot from the saved json")
 
 
 def learning_rate(batch_size, args):
@@ -135,7 +129,7 @@ def measure(args):
     device = "cuda" if args.device.startswith("cuda") else "cpu"
     evaluator = dev_evaluator(args.dev_queries)
     runs = [
-        {"batch_size": None, "label": "before fine-tuning"} | score(harness.MODEL_PATH, evaluator, device)
+        {"batch_size": None, "label": "before fine-tuning"} | score(harness.model_path(), evaluator, device)
     ]
     print(f"before fine-tuning: {runs[0]}", flush=True)
     for batch_size in args.batch_sizes:
@@ -181,7 +175,7 @@ def table(runs, args):
     )
 
 
-def plot(runs, path):
+def plot(runs, args, path):
     figure, axes = plt.subplots(figsize=(6, 4))
     trained = [run for run in runs if run["batch_size"]]
     axes.plot(
@@ -200,37 +194,9 @@ def plot(runs, path):
     plt.close(figure)
 
 
-def render(json_path):
-    saved = json.loads(json_path.read_text())
-    args = argparse.Namespace(**saved["settings"])
-    plot(saved["runs"], json_path.with_suffix(".png"))
-    markdown = "\n\n".join(
-        [
-            harness.provenance_markdown(saved["provenance"]),
-            table(saved["runs"], args),
-            f"![dev MRR@10 against the batch size]({json_path.stem}.png)",
-        ]
-    )
-    json_path.with_suffix(".md").write_text(markdown + "\n")
-    print(markdown)
-
-
 def main(argv=None):
-    args = parser.parse_args(argv)
-    args.preset = args.preset or ("gpu" if args.device.startswith("cuda") else "cpu")
-    json_path = Path(args.out_dir) / f"quality_{args.preset}.json"
-    if args.render_only:
-        render(json_path)
-        return
-    for key, value in PRESETS[args.preset].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    command = shlex.join(["python", "bench/quality.py", *(sys.argv[1:] if argv is None else argv)])
-    info = harness.provenance(args.device, command)
-    runs = measure(args)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({"provenance": info, "settings": vars(args), "runs": runs}, indent=1))
-    render(json_path)
+    image = "dev MRR@10 against the batch size"
+    harness.run_benchmark("quality", parser, PRESETS, measure, table, plot, image, argv)
 
 
 if __name__ == "__main__":

@@ -6,28 +6,25 @@ and each ratio the median of the per-round ratios, so a load change on the machi
 ratio alike. A step is the gradient of the batch plus the AdamW step; tokenization is left out (it is the
 same for every variant). Variants: plain full batch (where it fits), sentence-transformers'
 CachedMultipleNegativesRankingLoss, and gradcache_step with length-sorted chunks and last-chunk reuse each
-switched on and off (up to --ablation_max_batch). Model forward hooks split each step into encoding
-without and with gradient, the optimizer and the rest (backward, loss); for ours also stage 2 (the loss
-and its gradient) and chunk selection.
+switched on and off (up to --ablation_max_batch), all chunked by --chunk_size examples; and, where
+--chunk_tokens is set, ours chunked by that padded-token budget against sentence-transformers' cached
+loss at its best setting, `mini_batch_num_tokens` equal to it (a budget of tokens without padding).
+Model forward hooks split each step into encoding without and with gradient, the optimizer and the rest
+(backward, loss); for ours also stage 2 (the loss and its gradient) and chunk selection.
 
 Before timing, a sanity check: plain, ours and ST with dropout off give the same loss and gradients.
 
-    python bench/speed.py                               # CPU: batches 64, 256, 1024; about 50 min
+    python bench/speed.py                               # CPU: batches 64, 256, 1024; about 70 min
     python bench/speed.py --device cuda --preset gpu    # one GPU: batches 1024 and 4096, a few minutes
     python bench/speed.py --preset smoke                # tiny batches, seconds: the test suite runs this
 
 Writes bench/results/speed_<preset>.{json,md,png}.
 """
 
-import argparse
-import json
 import math
-import shlex
 import statistics
-import sys
 import time
 from functools import partial
-from pathlib import Path
 
 import harness
 import matplotlib
@@ -39,20 +36,34 @@ import matplotlib.pyplot as plt  # noqa: E402
 # After harness, which puts the repository root (gradcache.py) on the path.
 import gradcache  # noqa: E402
 
+DEFAULTS = {"chunk_size": 32, "rounds": 5, "warmup": 1}
 PRESETS = {
     # CPU: plain needs about 8 GiB for one step at batch 256 and did not fit in 8 GiB at 512
     # (bench/memory.py); ours' switches (sorting, reuse) are compared up to batch 256, to stay under an hour.
-    "cpu": {"batch_sizes": [64, 256, 1024], "plain_max_batch": 256, "ablation_max_batch": 256},
-    "gpu": {"batch_sizes": [1024, 4096], "plain_max_batch": 4096, "ablation_max_batch": 4096},
-    "smoke": {
+    "cpu": DEFAULTS
+    | {
+        "batch_sizes": [64, 256, 1024],
+        "chunk_tokens": 1024,
+        "plain_max_batch": 256,
+        "ablation_max_batch": 256,
+    },
+    "gpu": DEFAULTS
+    | {
+        "batch_sizes": [1024, 4096],
+        "chunk_tokens": 8192,
+        "plain_max_batch": 4096,
+        "ablation_max_batch": 4096,
+    },
+    "smoke": DEFAULTS
+    | {
         "batch_sizes": [8],
+        "chunk_tokens": 64,
         "plain_max_batch": 8,
         "ablation_max_batch": 8,
         "chunk_size": 4,
         "rounds": 1,
     },
 }
-DEFAULTS = {"chunk_size": 32, "rounds": 5, "warmup": 1}
 # Parts of a step timed apart; "backward and the rest" is the step minus the others.
 PARTS = (
     "forward no grad",
@@ -62,27 +73,27 @@ PARTS = (
     "optimizer (AdamW)",
     "backward and the rest",
 )
-# name -> (method, gradcache_step flags)
+# name -> (method, gradcache_step flags, chunked by the token budget rather than by chunk_size)
 VARIANTS = {
-    "plain": ("plain", {}),
-    "ST cached": ("st", {}),
-    "ours": ("ours", {}),
-    "ours, unsorted": ("ours", {"sort_by_length": False}),
-    "ours, no reuse": ("ours", {"reuse_last_chunk": False}),
-    "ours, unsorted, no reuse": ("ours", {"sort_by_length": False, "reuse_last_chunk": False}),
+    "plain": ("plain", {}, False),
+    "ST cached": ("st", {}, False),
+    "ours": ("ours", {}, False),
+    "ours, unsorted": ("ours", {"sort_by_length": False}, False),
+    "ours, no reuse": ("ours", {"reuse_last_chunk": False}, False),
+    "ours, unsorted, no reuse": ("ours", {"sort_by_length": False, "reuse_last_chunk": False}, False),
+    "ST cached, token budget": ("st", {}, True),
+    "ours, token budget": ("ours", {}, True),
 }
+TOKEN_VARIANTS = [name for name, (_, _, by_tokens) in VARIANTS.items() if by_tokens]
 
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-parser.add_argument("--preset", choices=PRESETS, default=None, help="default: gpu on cuda, cpu otherwise")
+parser = harness.benchmark_parser(__doc__, PRESETS)
 parser.add_argument("--batch_sizes", type=int, nargs="+", help="override the preset's batch sizes")
 parser.add_argument("--plain_max_batch", type=int, help="largest batch plain training is run at")
 parser.add_argument("--ablation_max_batch", type=int, help="largest batch ours' switches are compared at")
 parser.add_argument("--chunk_size", type=int, help="override the preset's chunk size")
+parser.add_argument("--chunk_tokens", type=int, help="override the preset's token budget of a chunk")
 parser.add_argument("--rounds", type=int, help="measured rounds (steps per variant)")
 parser.add_argument("--warmup", type=int, help="rounds run first and left out")
-parser.add_argument("--out_dir", default=str(harness.RESULTS_DIR), help="where the results go")
-parser.add_argument("--render_only", action="store_true", help="redo table and plot from the saved json")
 
 
 class StepClock:
@@ -157,18 +168,22 @@ class StepClock:
 
 
 def variant_max_batch(name, args):
+    if name in TOKEN_VARIANTS and not args.chunk_tokens:
+        return 0
     if name == "plain":
         return args.plain_max_batch
-    return math.inf if name in ("ours", "ST cached") else args.ablation_max_batch
+    return math.inf if name in ("ours", "ST cached", *TOKEN_VARIANTS) else args.ablation_max_batch
 
 
-def make_variant_step(name, model, chunk_size, clock):
-    method, flags = VARIANTS[name]
+def make_variant_step(name, model, args, clock):
+    method, flags, by_tokens = VARIANTS[name]
+    chunk_tokens = args.chunk_tokens if by_tokens else None
     if method != "ours":
-        return harness.make_step(method, model, chunk_size)
+        return harness.make_step(method, model, args.chunk_size, chunk_tokens)
     kwargs = clock.wrap_ours(flags)
     loss_fn = kwargs.pop("loss_fn")
-    return lambda features: gradcache.gradcache_step(model, features, loss_fn, chunk_size, **kwargs).loss
+    chunks = harness.chunking(args.chunk_size, chunk_tokens)
+    return lambda features: gradcache.gradcache_step(model, features, loss_fn, **chunks, **kwargs).loss
 
 
 def check_agreement(model, features, chunk_size):
@@ -209,7 +224,7 @@ def measure(args):
     measurements = []
     for batch_size in args.batch_sizes:
         names = [name for name in VARIANTS if batch_size <= variant_max_batch(name, args)]
-        steps = {name: make_variant_step(name, model, args.chunk_size, clock) for name in names}
+        steps = {name: make_variant_step(name, model, args, clock) for name in names}
         runs, parts = {name: [] for name in names}, {name: [] for name in names}
         did_not_fit = []
         # on CUDA one more round, profiling
@@ -280,7 +295,7 @@ def time_cell(measurement, name):
     return f"{median_seconds(measurement['runs'], name):.2f}" if name in measurement["runs"] else "-"
 
 
-def tables(results, args):
+def table(results, args):
     agreement = results["agreement"]
     names = {"plain": "plain", "ours": "ours", "st": "ST cached"}
     losses = ", ".join(f"{names[m]} {loss:.6f}" for m, loss in agreement["losses"].items())
@@ -296,6 +311,8 @@ def tables(results, args):
             [
                 batch_size,
                 ratio_cell(runs, "ours", "ST cached"),
+                ratio_cell(runs, "ours, token budget", "ST cached, token budget"),
+                ratio_cell(runs, "ST cached, token budget", "ST cached"),
                 ratio_cell(runs, "ours", "plain"),
                 ratio_cell(runs, "ST cached", "plain"),
                 ratio_cell(runs, "ours, unsorted", "ours"),
@@ -306,7 +323,7 @@ def tables(results, args):
             ]
         )
         time_rows.append([batch_size] + [time_cell(measurement, name) for name in VARIANTS])
-        for name in ("plain", "ST cached", "ours", "ours, unsorted"):
+        for name in ("plain", "ST cached", "ours", "ours, unsorted", *TOKEN_VARIANTS):
             if name in runs:
                 step_parts = measurement["parts"][name]
                 medians = [statistics.median(p.get(part, 0.0) for p in step_parts) for part in PARTS]
@@ -314,8 +331,14 @@ def tables(results, args):
                 part_rows.append([batch_size, name, *(f"{value:.2f}" for value in seconds)])
     sections.append(
         "Step time ratios: median of the per-round ratios (lowest-highest over "
-        f"{args.rounds} rounds; {args.warmup} warm-up round(s) left out), chunk {args.chunk_size}. "
-        "Below 1 means the first is faster. Plain runs up to batch "
+        f"{args.rounds} rounds; {args.warmup} warm-up round(s) left out), chunk {args.chunk_size}"
+        + (
+            f"; token budget {args.chunk_tokens} (ours: padded tokens per chunk; ST cached: its "
+            "mini_batch_num_tokens, tokens without padding). "
+            if getattr(args, "chunk_tokens", None)
+            else " (no token budget in this run). "
+        )
+        + "Below 1 means the first is faster. Plain runs up to batch "
         f"{args.plain_max_batch} (the memory benchmark shows what it needs beyond), ours with its switches "
         f"off up to batch {args.ablation_max_batch}."
     )
@@ -324,6 +347,8 @@ def tables(results, args):
             [
                 "batch",
                 "ours / ST cached",
+                "ours / ST cached, both by token budget",
+                "ST cached: token budget / chunk",
                 "ours / plain",
                 "ST cached / plain",
                 "ours unsorted / ours",
@@ -344,7 +369,7 @@ def tables(results, args):
     return "\n\n".join(sections)
 
 
-def plot(results, path):
+def plot(results, args, path):
     """Per batch, each variant's step time over ours': median of the per-round ratios, bars their range."""
     figure, axes = plt.subplots(figsize=(8, 4.5))
     measurements = results["measurements"]
@@ -369,39 +394,8 @@ def plot(results, path):
     plt.close(figure)
 
 
-def render(json_path):
-    saved = json.loads(json_path.read_text())
-    args = argparse.Namespace(**saved["settings"])
-    plot(saved["results"], json_path.with_suffix(".png"))
-    markdown = "\n\n".join(
-        [
-            harness.provenance_markdown(saved["provenance"]),
-            tables(saved["results"], args),
-            f"![step time relative to ours]({json_path.stem}.png)",
-        ]
-    )
-    json_path.with_suffix(".md").write_text(markdown + "\n")
-    print(markdown)
-
-
 def main(argv=None):
-    args = parser.parse_args(argv)
-    args.preset = args.preset or ("gpu" if args.device.startswith("cuda") else "cpu")
-    json_path = Path(args.out_dir) / f"speed_{args.preset}.json"
-    if args.render_only:
-        render(json_path)
-        return
-    for key, value in (DEFAULTS | PRESETS[args.preset]).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    command = shlex.join(["python", "bench/speed.py", *(sys.argv[1:] if argv is None else argv)])
-    info = harness.provenance(args.device, command)
-    results = measure(args)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(
-        json.dumps({"provenance": info, "settings": vars(args), "results": results}, indent=1)
-    )
-    render(json_path)
+    harness.run_benchmark("speed", parser, PRESETS, measure, table, plot, "step time relative to ours", argv)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ def run_script(name, out_dir):
         "smoke",
         "--out_dir",
         str(out_dir),
+        "--allow_dirty",  # a developer runs the tests before committing; the results say so
     ]
     subprocess.run(command, cwd=ROOT, check=True, timeout=600)
     stem = out_dir / f"{name}_smoke"
@@ -59,16 +60,24 @@ def quality_run(results_dir):
     return run_script("quality", results_dir)
 
 
+@pytest.fixture(scope="module")
+def scale_run(results_dir):
+    return run_script("scale", results_dir)
+
+
 def test_memory_chunked_steps_hold_less_than_the_full_batch(memory_run):
     saved, markdown = memory_run
-    peaks = {p["method"]: p["step_peak_bytes"] for p in saved["points"] if p["fits"]}
-    assert len(saved["points"]) == len(peaks) == 2
+    peaks = {p["method"]: p["step_peak_bytes"] for p in saved["results"] if p["fits"]}
+    assert len(saved["results"]) == len(peaks) == 2
     # a quarter of the batch's activations alive at a time (chunk 4 of batch 16): less than plain
     assert 0 < peaks["ours"] < peaks["plain"]
-    assert set(saved["points"][0]["phase_peak_bytes"]) == {"step"}
-    ours = next(p for p in saved["points"] if p["method"] == "ours")
-    assert set(ours["phase_peak_bytes"]) == {"chunks", "loss"}
+    assert set(saved["results"][0]["phase_peak_bytes"]) == {"step"}
+    ours = next(p for p in saved["results"] if p["method"] == "ours")
+    assert set(ours["phase_peak_bytes"]) == set(ours["phase_added_bytes"]) == {"chunks", "loss"}
     assert ours["step_peak_bytes"] == max(ours["phase_peak_bytes"].values())
+    # the loss stage alone: above its own start, where stage 1's kept chunk and the representations are
+    # already alive, so not above what the step holds at that moment
+    assert ours["phase_added_bytes"]["loss"] <= ours["phase_peak_bytes"]["loss"]
     assert "| batch |" in markdown and "ST cached (MiB)" in markdown
 
 
@@ -87,6 +96,8 @@ def test_speed_compares_equal_work_and_times_every_variant(speed_run):
         "ours, unsorted",
         "ours, no reuse",
         "ours, unsorted, no reuse",
+        "ST cached, token budget",
+        "ours, token budget",
     }
     for name, runs in measurement["runs"].items():
         assert len(runs) == saved["settings"]["rounds"] == len(measurement["parts"][name])
@@ -116,7 +127,7 @@ def test_memory_cap_stops_plain_where_ours_still_fits(memory_cap_run):
 
 def test_quality_fine_tunes_through_train_py_and_scores_the_dev_split(quality_run, results_dir):
     saved, markdown = quality_run
-    before, *trained = saved["runs"]
+    before, *trained = saved["results"]
     assert before["batch_size"] is None
     assert [run["batch_size"] for run in trained] == saved["settings"]["batch_sizes"]
     for run in [before, *trained]:
@@ -128,8 +139,38 @@ def test_quality_fine_tunes_through_train_py_and_scores_the_dev_split(quality_ru
     assert "dev MRR@10" in markdown
 
 
+def test_scale_cut_model_step_and_loss_stage_under_a_cap(scale_run):
+    saved, markdown = scale_run
+    settings, results = saved["settings"], saved["results"]
+    (step,) = results["steps"]
+    assert step["fits"] and step["num_layers"] == settings["cut_layers"] == 1
+    # as train.py runs it: texts tokenized chunk by chunk, chunks by a token budget
+    assert step["tokenize_per_chunk"] and step["chunk_tokens"] == settings["chunk_tokens"]
+    assert step["step_peak_bytes"] > 0 and set(step["phase_added_bytes"]) == {"chunks", "loss"}
+    cap = settings["loss_cap_gib"] * 2**30
+    by_kind = {point["kind"]: point for point in results["loss_memory"]}
+    # the materialized loss ran out of memory under the cap: an allocation failed inside it (no crash)
+    assert not by_kind["materialized"]["fits"] and "died" not in by_kind["materialized"]
+    # the tiled loss fits: its tiles, not the 2048 x 4096 score matrix
+    assert by_kind["tiled"]["fits"] and 0 < by_kind["tiled"]["added_bytes"] < cap
+    (timed,) = results["loss_time"]
+    assert all(len(seconds) == settings["time_rounds"] for seconds in timed["seconds"].values())
+    assert "did not fit in" in markdown and "first 1 layer(s)" in markdown
+
+
+def test_a_run_with_uncommitted_changes_is_refused_or_marked(monkeypatch):
+    import harness
+
+    monkeypatch.setattr(harness, "uncommitted_changes", lambda: [" M gradcache.py"])
+    with pytest.raises(SystemExit, match="uncommitted changes"):
+        harness.provenance("cpu", "python bench/memory.py")
+    info = harness.provenance("cpu", "python bench/memory.py", allow_dirty=True)
+    assert info["uncommitted_changes"] == [" M gradcache.py"]
+    assert "UNCOMMITTED CHANGES" in harness.provenance_markdown(info)
+
+
 def test_make_results_assembles_every_section(
-    results_dir, memory_run, speed_run, memory_cap_run, quality_run
+    results_dir, memory_run, speed_run, memory_cap_run, quality_run, scale_run
 ):
     output = results_dir / "RESULTS.md"
     command = [
@@ -145,7 +186,8 @@ def test_make_results_assembles_every_section(
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]
     text = output.read_text()
-    for name in ("memory", "speed", "memory_cap", "quality"):
+    runs = [memory_run, speed_run, memory_cap_run, quality_run, scale_run]
+    for name in ("memory", "speed", "memory_cap", "quality", "scale"):
         section = (results_dir / f"{name}_smoke.md").read_text().split("\n\n")[1]
         assert section in text
     # the targets are checked against the smoke results: a verdict computed for each speed target
@@ -155,3 +197,11 @@ def test_make_results_assembles_every_section(
             rf"\| speed: a step of ours at most [\d.]+x one of {other} .*\| (met|missed by \d+%) \|", targets
         )
     assert "| exactness: no speed-up changes the gradient |" in targets
+    for target in ("loss stage: a step at batch 16,384", "tiled loss time", "a full training step at batch"):
+        assert re.search(rf"\| {target}.*\| (met|missed.*|not measured.*) \|", targets)
+    # the runs had uncommitted changes, or one clean commit: the page says which
+    commits = {run["provenance"]["commit"] for run, _ in runs}
+    if len(commits) == 1 and not any(run["provenance"]["uncommitted_changes"] for run, _ in runs):
+        assert f"Every section ran at commit {commits.pop()}, with a clean working tree." in text
+    else:
+        assert "**Not one clean commit" in text

@@ -1,0 +1,327 @@
+"""Benchmark 5: how far the batch goes, and what the loss stage costs on the way.
+
+Three parts, on anchor, positive and hard-negative columns (d = 384 representations):
+
+    a. steps   peak memory of one full training step of gradcache_step (AdamW included) from batch 64 up,
+               on data/wordnet_train.jsonl.gz; each point in a fresh process (CPU) as in bench/memory.py,
+               with stage 2 (the loss and its gradients) also read alone, above its own inputs. Above
+               --full_model_max_batch the model is all-MiniLM-L6-v2 cut to its first --cut_layers
+               layer(s), so that the largest batches finish in minutes: the claim is about memory, and
+               the loss stage does not depend on the depth of the encoder.
+    b. loss    stage 2 alone on random representations: the tiled loss (gradcache.contrastive_loss)
+               against the materialized one (tests/references.py, the whole B x 2B score matrix), peak
+               above the inputs, each point in a fresh process, the materialized one until it no longer
+               fits under --loss_cap_gib.
+    c. time    seconds of stage 2 alone, tiled against materialized, in one process, alternating, where
+               both fit: the median of the per-round ratios.
+
+    python bench/scale.py                             # CPU: to 65,536; about 50 min on 2 quiet cores (est.)
+    python bench/scale.py --device cuda --preset gpu  # one H200: to 1,048,576, full model; 10-15 min (est.)
+    python bench/scale.py --preset smoke              # seconds: the test suite runs this
+
+Writes bench/results/scale_<preset>.{json,md,png}.
+"""
+
+import statistics
+import time
+
+import harness
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+PRESETS = {
+    "cpu": {
+        "step_batch_sizes": [4**k for k in range(3, 9)],  # 64 .. 65,536
+        "full_model_max_batch": 1024,
+        "cut_layers": 1,
+        "step_cap_gib": 20.0,  # of the 24 GiB machine: a step beyond it is reported, not swapped
+        "chunk_size": 32,
+        "chunk_tokens": 1024,
+        # the materialized loss needs about 6.5 GiB at 16,384 and 26 GiB at 32,768
+        "loss_batch_sizes": [4**k for k in range(4, 9)],  # 256 .. 65,536
+        "loss_cap_gib": 8.0,
+        "time_batch_sizes": [256, 1024, 4096],
+        "time_rounds": 3,
+    },
+    "gpu": {
+        "step_batch_sizes": [4**k for k in range(3, 11)],  # 64 .. 1,048,576
+        "full_model_max_batch": 2**20,
+        "cut_layers": 1,
+        "step_cap_gib": None,
+        "chunk_size": 256,
+        "chunk_tokens": 65536,
+        "loss_batch_sizes": [2**k for k in range(10, 21, 2)],  # 1024 .. 1,048,576
+        "loss_cap_gib": None,
+        "time_batch_sizes": [1024, 4096, 16384],  # the materialized one needs about 100 GiB at 65,536
+        "time_rounds": 3,
+    },
+    # the test suite's: one step of the cut model, and a loss batch where the materialized loss does not
+    # fit under a small cap (it needs about 108 MiB; the tiled one, with 2048 x 2048 tiles, 55 MiB)
+    "smoke": {
+        "step_batch_sizes": [16],
+        "full_model_max_batch": 0,
+        "cut_layers": 1,
+        "step_cap_gib": None,
+        "chunk_size": 8,
+        "chunk_tokens": 256,
+        "loss_batch_sizes": [2048],
+        "loss_cap_gib": 80 / 1024,
+        "time_batch_sizes": [256],
+        "time_rounds": 1,
+    },
+}
+DIM, NUM_COLUMNS = 384, 3
+LOSSES = ("tiled", "materialized")
+
+parser = harness.benchmark_parser(__doc__, PRESETS)
+parser.add_argument("--step_batch_sizes", type=int, nargs="+", help="batches of part a")
+parser.add_argument("--full_model_max_batch", type=int, help="above it, part a uses the cut model")
+parser.add_argument("--cut_layers", type=int, help="transformer layers the cut model keeps")
+parser.add_argument("--step_cap_gib", type=float, help="memory a step may use above the process before it")
+parser.add_argument("--chunk_size", type=int, help="examples per chunk where there is no token budget")
+parser.add_argument("--chunk_tokens", type=int, help="padded tokens per chunk (part a)")
+parser.add_argument("--loss_batch_sizes", type=int, nargs="+", help="batches of part b")
+parser.add_argument("--loss_cap_gib", type=float, help="memory the loss may use above its inputs (part b)")
+parser.add_argument("--tile_size", type=int, help="the tiled loss's tile (default: its own choice)")
+parser.add_argument("--time_batch_sizes", type=int, nargs="+", help="batches of part c")
+parser.add_argument("--time_rounds", type=int, help="measured rounds per batch of part c")
+
+
+def measure_point(args, worker, **kwargs):
+    """CUDA's allocator statistics are exact per window; CPU needs a fresh process per point."""
+    if args.device.startswith("cuda"):
+        return harness.WORKERS[worker](device=args.device, **kwargs)
+    return harness.measure_in_fresh_process(worker, device=args.device, **kwargs)
+
+
+def measure_steps(args):
+    """Every batch of part a, up to the first that does not fit."""
+    cap_bytes = None if args.step_cap_gib is None else int(args.step_cap_gib * 2**30)
+    points = []
+    for batch_size in args.step_batch_sizes:
+        point = measure_point(
+            args,
+            "step_memory",
+            method="ours",
+            batch_size=batch_size,
+            chunk_size=args.chunk_size,
+            chunk_tokens=args.chunk_tokens,
+            num_layers=None if batch_size <= args.full_model_max_batch else args.cut_layers,
+            tokenize_per_chunk=True,
+            cap_bytes=cap_bytes,
+        )
+        points.append(point)
+        shown = f"{harness.mib(point['step_peak_bytes'])} MiB" if point["fits"] else "did not fit"
+        print(f"step batch {batch_size:>8}: {shown}", flush=True)
+        if not point["fits"]:
+            break
+    return points
+
+
+def measure_loss_memory(args):
+    cap_bytes = None if args.loss_cap_gib is None else int(args.loss_cap_gib * 2**30)
+    points = []
+    for kind in LOSSES:
+        for batch_size in args.loss_batch_sizes:
+            point = measure_point(
+                args,
+                "loss_memory",
+                kind=kind,
+                batch_size=batch_size,
+                dim=DIM,
+                num_columns=NUM_COLUMNS,
+                cap_bytes=cap_bytes,
+                tile_size=args.tile_size,
+            )
+            points.append(point)
+            shown = f"{harness.mib(point['added_bytes'])} MiB" if point["fits"] else "did not fit"
+            print(f"{kind:>12} loss batch {batch_size:>8}: {shown}", flush=True)
+            if not point["fits"]:
+                break
+    return points
+
+
+def measure_loss_time(args):
+    """Stage 2 alone, tiled and materialized taking turns (order swapped every round), one warm-up round."""
+    losses = {kind: harness.loss_function(kind, args.tile_size) for kind in LOSSES}
+    points = []
+    for batch_size in args.time_batch_sizes:
+        reps = harness.random_representations(batch_size, DIM, NUM_COLUMNS, args.device)
+        seconds = {kind: [] for kind in LOSSES}
+        for round_index in range(args.time_rounds + 1):
+            for kind in LOSSES[round_index % 2 :] + LOSSES[: round_index % 2]:
+                harness.synchronize(args.device)
+                started = time.perf_counter()
+                harness.loss_and_gradients(losses[kind], reps)
+                harness.synchronize(args.device)
+                if round_index > 0:
+                    seconds[kind].append(time.perf_counter() - started)
+        points.append({"batch_size": batch_size, "seconds": seconds})
+        print(f"loss time batch {batch_size}: {seconds}", flush=True)
+    return points
+
+
+def measure(args):
+    return {
+        "steps": measure_steps(args),
+        "loss_memory": measure_loss_memory(args),
+        "loss_time": measure_loss_time(args),
+    }
+
+
+def time_ratios(point):
+    """Per round, tiled seconds over materialized seconds (both ran in the same round)."""
+    seconds = point["seconds"]
+    return [tiled / other for tiled, other in zip(seconds["tiled"], seconds["materialized"], strict=True)]
+
+
+def model_description(point):
+    layers = point.get("num_layers")
+    return "all-MiniLM-L6-v2" if layers is None else f"all-MiniLM-L6-v2, first {layers} layer(s)"
+
+
+def steps_table(points, args):
+    cap = getattr(args, "step_cap_gib", None)
+    rows = [
+        [
+            point["batch_size"],
+            model_description(point),
+            point["longest_text_tokens"],
+            harness.mib(point["step_peak_bytes"]),
+            harness.mib(point["baseline_bytes"] + point["step_peak_bytes"]),
+            harness.mib(point["phase_added_bytes"]["loss"]),
+            f"{point['seconds']:.0f}",
+        ]
+        if point["fits"]
+        else [point["batch_size"], model_description(point), "-", *[f"did not fit in {cap:g} GiB"] * 3, "-"]
+        for point in points
+    ]
+    chunks = f"chunk {args.chunk_size}"
+    if args.chunk_tokens:
+        chunks = f"chunks of {args.chunk_tokens} padded tokens"
+    if points and points[0].get("tokenize_per_chunk"):
+        chunks += ", the batch as texts tokenized chunk by chunk (as train.py does)"
+    return "\n\n".join(
+        [
+            f"a. One training step of gradcache_step (AdamW included), {chunks}. Above batch "
+            f"{args.full_model_max_batch} the model keeps only its first {args.cut_layers} layer(s), so that "
+            "the step finishes in minutes; the loss stage is the same for any depth.",
+            harness.markdown_table(
+                [
+                    "batch",
+                    "model",
+                    "longest text (tokens)",
+                    "step peak above the process before it (MiB)",
+                    "process peak, all included (MiB)",
+                    "stage 2 alone, above its inputs (MiB)",
+                    "step (s)",
+                ],
+                rows,
+            ),
+        ]
+    )
+
+
+def loss_memory_table(points, args):
+    by_key = {(p["kind"], p["batch_size"]): p for p in points}
+
+    def cell(kind, batch_size):
+        return harness.memory_cell(points, "kind", kind, batch_size, "added_bytes", args.loss_cap_gib)
+
+    rows = []
+    for batch_size in args.loss_batch_sizes:
+        tiled, materialized = by_key.get(("tiled", batch_size)), by_key.get(("materialized", batch_size))
+        inputs = (tiled or materialized)["input_bytes"] if (tiled or materialized) else None
+        both = tiled and materialized and tiled["fits"] and materialized["fits"]
+        rows.append(
+            [
+                batch_size,
+                harness.mib(inputs) if inputs else "-",
+                cell("tiled", batch_size),
+                cell("materialized", batch_size),
+                f"{materialized['added_bytes'] / tiled['added_bytes']:.1f}x" if both else "-",
+            ]
+        )
+    return "\n\n".join(
+        [
+            f"b. Stage 2 alone (loss and representation gradients) on random fp32 representations, "
+            f"{NUM_COLUMNS} columns of d = {DIM}: peak above the inputs, each point in a fresh process.",
+            harness.markdown_table(
+                ["batch", "inputs (MiB)", "tiled (MiB)", "materialized (MiB)", "materialized / tiled"], rows
+            ),
+        ]
+    )
+
+
+def loss_time_table(points, args):
+    rows = []
+    for point in points:
+        ratios = time_ratios(point)
+        rows.append(
+            [
+                point["batch_size"],
+                f"{statistics.median(point['seconds']['tiled']):.3f}",
+                f"{statistics.median(point['seconds']['materialized']):.3f}",
+                f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})",
+            ]
+        )
+    return "\n\n".join(
+        [
+            f"c. Seconds of stage 2 alone, median of {args.time_rounds} rounds (one warm-up round left out), "
+            "tiled and materialized taking turns.",
+            harness.markdown_table(
+                ["batch", "tiled (s)", "materialized (s)", "tiled / materialized (lowest-highest)"], rows
+            ),
+        ]
+    )
+
+
+def plot(results, args, path):
+    figure, (steps_axes, loss_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    steps = [point for point in results["steps"] if point["fits"]]
+    batches = [p["batch_size"] for p in steps]
+    steps_axes.plot(batches, [p["step_peak_bytes"] / 2**20 for p in steps], marker="o", label="step peak")
+    steps_axes.plot(
+        batches,
+        [p["phase_added_bytes"]["loss"] / 2**20 for p in steps],
+        marker="s",
+        label="stage 2 alone, above its inputs",
+    )
+    harness.log_axes(steps_axes, "MiB above the process before it", f"a. Training steps ({args.device})")
+    for kind in LOSSES:
+        fitting = [p for p in results["loss_memory"] if p["kind"] == kind and p["fits"]]
+        if fitting:
+            batches = [p["batch_size"] for p in fitting]
+            loss_axes.plot(batches, [p["added_bytes"] / 2**20 for p in fitting], marker="o", label=kind)
+        failed = [p["batch_size"] for p in results["loss_memory"] if p["kind"] == kind and not p["fits"]]
+        if failed and args.loss_cap_gib is not None:
+            loss_axes.plot(
+                failed,
+                [args.loss_cap_gib * 1024] * len(failed),
+                marker="x",
+                linestyle="none",
+                color="black",
+                label=f"{kind}: did not fit in {harness.mib(args.loss_cap_gib * 2**30)} MiB",
+            )
+    harness.log_axes(loss_axes, "MiB above the inputs", "b. The loss stage alone")
+    harness.save_figure(figure, path)
+
+
+def table(results, args):
+    tables = [
+        steps_table(results["steps"], args),
+        loss_memory_table(results["loss_memory"], args),
+        loss_time_table(results["loss_time"], args),
+    ]
+    return "\n\n".join(tables)
+
+
+def main(argv=None):
+    image = "memory of the step and of the loss stage against the batch size"
+    harness.run_benchmark("scale", parser, PRESETS, measure, table, plot, image, argv)
+
+
+if __name__ == "__main__":
+    main()
