@@ -284,6 +284,6 @@ def test_out_of_memory_on_one_process_ends_every_process(backend, tmp_path, data
         env |= {"GRADCACHE_FAULT_OOM_SYNC": "1", "ACCELERATE_USE_CPU": "true"}
     done = launch(config, tmp_path / "run", *RUN, *args, processes=2, env=env, check=False, timeout=240)
     assert done.returncode != 0
-    assert "ran out of memory" in done.stderr and "Relaunch with that --chunk_size" in done.stderr
+    assert "ran out of memory" in done.stderr and "Relaunch with --chunk_size 1." in done.stderr
     assert "chunk size of 1 or less" in done.stderr  # chunks of 3
     assert not (tmp_path / "run" / "final").exists()
