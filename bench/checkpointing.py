@@ -9,7 +9,7 @@ a time (each reads its own resident set). Time: in one process, a model with che
 without take turns on the same batch, the order swapped every round; the ratio is the median of the
 per-round ratios, so a load change on the machine hits both sides alike.
 
-    python bench/checkpointing.py                               # CPU: batch 256, about 10 min on 2 cores
+    python bench/checkpointing.py                               # CPU: batch 256, about 15 min on 2 busy cores
     python bench/checkpointing.py --device cuda --preset gpu    # one GPU: batch 4096, a few minutes
     python bench/checkpointing.py --preset smoke                # seconds: the test suite runs this
 
@@ -26,11 +26,12 @@ import torch
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib import ticker  # noqa: E402
 
 DEFAULTS = {"num_layers": None}
 PRESETS = {
     # CPU: a chunk of the whole batch (256) is where checkpointing saves most; two rounds keep the run
-    # near ten minutes on a busy machine.
+    # near a quarter of an hour on a busy machine.
     "cpu": {"batch_size": 256, "chunk_sizes": [16, 64, 256], "rounds": 2, "workers": 2} | DEFAULTS,
     "gpu": {"batch_size": 4096, "chunk_sizes": [256, 1024, 4096], "rounds": 5, "workers": 1} | DEFAULTS,
     # the test suite's: seconds, a model cut to two layers
@@ -196,6 +197,7 @@ def plot(results, args, path):
     time_axes.plot(chunks, ratios, marker="o", label="with / without")
     time_axes.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     time_axes.set_xscale("log", base=2)
+    time_axes.xaxis.set_major_formatter(ticker.ScalarFormatter())
     time_axes.set_xlabel("chunk size (examples)")
     time_axes.set_ylabel("step time ratio")
     time_axes.set_title("Step time, checkpointing on / off (median of rounds)")
