@@ -86,6 +86,18 @@ def load_model(device, num_layers=None):
     return model.train()
 
 
+def checkpoint_activations(model):
+    """Gradient checkpointing on, as train.py's --gradient_checkpointing turns it on (train.prepare_model)."""
+    import train  # at the repository root, next to gradcache.py
+
+    return train.prepare_model(model, train.parse_args(["--gradient_checkpointing"]))
+
+
+def checkpointed_modules(model):
+    """How many modules recompute their activations in backward (transformers' flag on each)."""
+    return sum(bool(getattr(module, "gradient_checkpointing", False)) for module in model.modules())
+
+
 def load_texts(num_rows, seed=0, repeat=False):
     """`num_rows` shuffled training rows as one list of texts per column.
 
@@ -323,6 +335,7 @@ def measure_step_memory(
     chunk_tokens=None,
     num_layers=None,
     tokenize_per_chunk=False,
+    gradient_checkpointing=False,
 ):
     """Peak memory of one training step at `batch_size`, above the state just before it.
 
@@ -331,9 +344,12 @@ def measure_step_memory(
     steps, so the measured step allocates its gradients like every step of a training run does.
     For `ours` the peak of stage 2 (the loss over the whole batch) is reported apart. With
     `tokenize_per_chunk` (ours only) the batch is texts and token counts, as train.py feeds it, and each
-    chunk is tokenized inside the step.
+    chunk is tokenized inside the step. With `gradient_checkpointing` the model is prepared as train.py's
+    --gradient_checkpointing prepares it.
     """
     model = load_model(device, num_layers)
+    if gradient_checkpointing:
+        checkpoint_activations(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5)
     texts = load_texts(batch_size + warmup_batch, repeat=torch.device(device).type == "cuda")
     prepare = text_batch if tokenize_per_chunk else tokenize
@@ -367,6 +383,7 @@ def measure_step_memory(
         "chunk_tokens": chunk_tokens,
         "num_layers": num_layers,
         "tokenize_per_chunk": tokenize_per_chunk,
+        "checkpointed_modules": checkpointed_modules(model),
         "fits": fits,
         "seconds": seconds,
         "baseline_bytes": meter.baseline,

@@ -65,6 +65,11 @@ def scale_run(results_dir):
     return run_script("scale", results_dir)
 
 
+@pytest.fixture(scope="module")
+def checkpointing_run(results_dir):
+    return run_script("checkpointing", results_dir)
+
+
 def test_memory_chunked_steps_hold_less_than_the_full_batch(memory_run):
     saved, markdown = memory_run
     peaks = {p["method"]: p["step_peak_bytes"] for p in saved["results"] if p["fits"]}
@@ -158,6 +163,22 @@ def test_scale_cut_model_step_and_loss_stage_under_a_cap(scale_run):
     assert "did not fit in" in markdown and "first 1 layer(s)" in markdown
 
 
+def test_checkpointing_measured_as_train_py_applies_it(checkpointing_run):
+    saved, markdown = checkpointing_run
+    settings, results = saved["settings"], saved["results"]
+    points = {p["gradient_checkpointing"]: p for p in results["memory"]}
+    assert set(points) == {False, True} and all(p["fits"] for p in points.values())
+    # the worker's model was prepared by train.prepare_model: its transformer modules recompute, or none
+    assert points[True]["checkpointed_modules"] > 0 and points[False]["checkpointed_modules"] == 0
+    # stage 1 keeps its last chunk's graph for stage 3 (reuse): checkpointed, only the layers' inputs
+    # stay alive through stage 2, the loss
+    assert points[True]["phase_peak_bytes"]["loss"] < points[False]["phase_peak_bytes"]["loss"]
+    (timing,) = results["time"]
+    assert all(len(seconds) == settings["rounds"] for seconds in timing["seconds"].values())
+    assert all(s > 0 for seconds in timing["seconds"].values() for s in seconds)
+    assert "| chunk (examples) | peak without (MiB) | peak with (MiB) |" in markdown
+
+
 def test_a_run_with_uncommitted_changes_is_refused_or_marked(monkeypatch):
     import harness
 
@@ -170,7 +191,7 @@ def test_a_run_with_uncommitted_changes_is_refused_or_marked(monkeypatch):
 
 
 def test_make_results_assembles_every_section(
-    results_dir, memory_run, speed_run, memory_cap_run, quality_run, scale_run
+    results_dir, memory_run, speed_run, memory_cap_run, quality_run, scale_run, checkpointing_run
 ):
     output = results_dir / "RESULTS.md"
     command = [
@@ -186,8 +207,8 @@ def test_make_results_assembles_every_section(
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]
     text = output.read_text()
-    runs = [memory_run, speed_run, memory_cap_run, quality_run, scale_run]
-    for name in ("memory", "speed", "memory_cap", "quality", "scale"):
+    runs = [memory_run, speed_run, memory_cap_run, quality_run, scale_run, checkpointing_run]
+    for name in ("memory", "speed", "memory_cap", "quality", "scale", "checkpointing"):
         section = (results_dir / f"{name}_smoke.md").read_text().split("\n\n")[1]
         assert section in text
     # the targets are checked against the smoke results: a verdict computed for each speed target
@@ -199,6 +220,8 @@ def test_make_results_assembles_every_section(
     assert "| exactness: no speed-up changes the gradient |" in targets
     for target in ("loss stage: a step at batch 16,384", "tiled loss time", "a full training step at batch"):
         assert re.search(rf"\| {target}.*\| (met|missed.*|not measured.*) \|", targets)
+    verdicts = r"(holds at every chunk size, by [\d.]+% to [\d.]+%|not at chunk .*)"
+    assert re.search(rf"\| gradient checkpointing lowers the peak memory .*\| {verdicts} \|", targets)
     # the runs had uncommitted changes, or one clean commit: the page says which
     commits = {run["provenance"]["commit"] for run, _ in runs}
     if len(commits) == 1 and not any(run["provenance"]["uncommitted_changes"] for run, _ in runs):
