@@ -40,38 +40,24 @@ def results_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("bench_results")
 
 
-@pytest.fixture(scope="module")
-def memory_run(results_dir):
-    return run_script("memory", results_dir)
+SCRIPTS = ("memory", "speed", "memory_cap", "quality", "scale", "checkpointing")
 
 
 @pytest.fixture(scope="module")
-def speed_run(results_dir):
-    return run_script("speed", results_dir)
+def smoke_run(results_dir):
+    """smoke_run(name): run_script(name) once per module; several tests read the same run."""
+    runs = {}
+
+    def run(name):
+        if name not in runs:
+            runs[name] = run_script(name, results_dir)
+        return runs[name]
+
+    return run
 
 
-@pytest.fixture(scope="module")
-def memory_cap_run(results_dir):
-    return run_script("memory_cap", results_dir)
-
-
-@pytest.fixture(scope="module")
-def quality_run(results_dir):
-    return run_script("quality", results_dir)
-
-
-@pytest.fixture(scope="module")
-def scale_run(results_dir):
-    return run_script("scale", results_dir)
-
-
-@pytest.fixture(scope="module")
-def checkpointing_run(results_dir):
-    return run_script("checkpointing", results_dir)
-
-
-def test_memory_chunked_steps_hold_less_than_the_full_batch(memory_run):
-    saved, markdown = memory_run
+def test_memory_chunked_steps_hold_less_than_the_full_batch(smoke_run):
+    saved, markdown = smoke_run("memory")
     peaks = {p["method"]: p["step_peak_bytes"] for p in saved["results"] if p["fits"]}
     assert len(saved["results"]) == len(peaks) == 2
     # a quarter of the batch's activations alive at a time (chunk 4 of batch 16): less than plain
@@ -86,8 +72,8 @@ def test_memory_chunked_steps_hold_less_than_the_full_batch(memory_run):
     assert "| batch |" in markdown and "ST cached (MiB)" in markdown
 
 
-def test_speed_compares_equal_work_and_times_every_variant(speed_run):
-    saved, markdown = speed_run
+def test_speed_compares_equal_work_and_times_every_variant(smoke_run):
+    saved, markdown = smoke_run("speed")
     agreement = saved["results"]["agreement"]
     losses = agreement["losses"]
     assert losses["ours"] == pytest.approx(losses["plain"], rel=1e-5)
@@ -116,8 +102,8 @@ def test_speed_compares_equal_work_and_times_every_variant(speed_run):
     assert "ours / ST cached" in markdown
 
 
-def test_memory_cap_stops_plain_where_ours_still_fits(memory_cap_run):
-    saved, markdown = memory_cap_run
+def test_memory_cap_stops_plain_where_ours_still_fits(smoke_run):
+    saved, markdown = smoke_run("memory_cap")
     by_method = {result["method"]: result for result in saved["results"]}
     batch = saved["settings"]["start_batch"]
     # plain ran out of memory under the cap, an allocation failing inside the step (not a crash)
@@ -130,8 +116,8 @@ def test_memory_cap_stops_plain_where_ours_still_fits(memory_cap_run):
     assert "largest batch that fit" in markdown
 
 
-def test_quality_fine_tunes_through_train_py_and_scores_the_dev_split(quality_run, results_dir):
-    saved, markdown = quality_run
+def test_quality_fine_tunes_through_train_py_and_scores_the_dev_split(smoke_run, results_dir):
+    saved, markdown = smoke_run("quality")
     before, *trained = saved["results"]
     assert before["batch_size"] is None
     assert [run["batch_size"] for run in trained] == saved["settings"]["batch_sizes"]
@@ -144,8 +130,8 @@ def test_quality_fine_tunes_through_train_py_and_scores_the_dev_split(quality_ru
     assert "dev MRR@10" in markdown
 
 
-def test_scale_cut_model_step_and_loss_stage_under_a_cap(scale_run):
-    saved, markdown = scale_run
+def test_scale_cut_model_step_and_loss_stage_under_a_cap(smoke_run):
+    saved, markdown = smoke_run("scale")
     settings, results = saved["settings"], saved["results"]
     (step,) = results["steps"]
     assert step["fits"] and step["num_layers"] == settings["cut_layers"] == 1
@@ -163,8 +149,8 @@ def test_scale_cut_model_step_and_loss_stage_under_a_cap(scale_run):
     assert "did not fit in" in markdown and "first 1 layer(s)" in markdown
 
 
-def test_checkpointing_measured_as_train_py_applies_it(checkpointing_run):
-    saved, markdown = checkpointing_run
+def test_checkpointing_measured_as_train_py_applies_it(smoke_run):
+    saved, markdown = smoke_run("checkpointing")
     settings, results = saved["settings"], saved["results"]
     points = {p["gradient_checkpointing"]: p for p in results["memory"]}
     assert set(points) == {False, True} and all(p["fits"] for p in points.values())
@@ -190,9 +176,8 @@ def test_a_run_with_uncommitted_changes_is_refused_or_marked(monkeypatch):
     assert "UNCOMMITTED CHANGES" in harness.provenance_markdown(info)
 
 
-def test_make_results_assembles_every_section(
-    results_dir, memory_run, speed_run, memory_cap_run, quality_run, scale_run, checkpointing_run
-):
+def test_make_results_assembles_every_section(results_dir, smoke_run):
+    runs = [smoke_run(name) for name in SCRIPTS]
     output = results_dir / "RESULTS.md"
     command = [
         sys.executable,
@@ -207,8 +192,7 @@ def test_make_results_assembles_every_section(
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]
     text = output.read_text()
-    runs = [memory_run, speed_run, memory_cap_run, quality_run, scale_run, checkpointing_run]
-    for name in ("memory", "speed", "memory_cap", "quality", "scale", "checkpointing"):
+    for name in SCRIPTS:
         section = (results_dir / f"{name}_smoke.md").read_text().split("\n\n")[1]
         assert section in text
     # the targets are checked against the smoke results: a verdict computed for each speed target
