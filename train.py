@@ -1034,6 +1034,7 @@ def main(args):
     # fp16 scales the loss; an overflowing step is then skipped by the scaler (or DeepSpeed) itself.
     loss_scaled = accelerator.scaler is not None or (deepspeed and engine.fp16_enabled())
     selects = chunk_selects(model, train_data.column_names, prompts, accelerator.device)
+    encoders = column_encoders(engine, model, train_data.column_names)
     start_tracking(accelerator, args, derived, output_dir)
     progress = Progress()
     if resume:
@@ -1065,7 +1066,7 @@ def main(args):
                 while report is None:  # a second time only after an out-of-memory, with a smaller chunk
                     try:
                         report = gradcache.gradcache_step(
-                            column_encoders(engine, model, batch),
+                            encoders,
                             columns,
                             loss_fn,
                             **chunking,
