@@ -574,7 +574,9 @@ def gradcache_step(
     # The kept group's sync context stays open from its forward in stage 1 to its backward in stage 3.
     with contextlib.ExitStack() as kept_sync:
         # --- Stage 1: encode every chunk without grad; the last group keeps its graph for reuse. ---
-        chunk_reps = [[] for _ in columns]
+        # One fp32 buffer per column, in batch order, filled chunk by chunk: a single allocation, where
+        # a list of small chunk tensors would fragment the heap and keep it after stage 2 frees them.
+        cache = [None] * len(columns)
         rng_states = []
         try:
             for g, group in enumerate(groups):
@@ -585,8 +587,11 @@ def gradcache_step(
                     kept_sync.enter_context(sync_context(len(groups) == 1))
                 with torch.set_grad_enabled(keep):
                     reps = encode(group)
-                for (c, _), rep in zip(group, reps, strict=True):
-                    chunk_reps[c].append(rep.detach().float())
+                for (c, index), rep in zip(group, reps, strict=True):
+                    if cache[c] is None:
+                        size = (batch_size_of(columns[c]), *rep.shape[1:])
+                        cache[c] = torch.empty(size, dtype=torch.float32, device=rep.device)
+                    cache[c][index.to(rep.device)] = rep.detach().float()
                 device = reps[0].device
                 kept_reps = reps if keep else None
         except torch.OutOfMemoryError:
@@ -597,7 +602,7 @@ def gradcache_step(
             raise out_of_memory_error(limits, by_tokens)
 
         # --- Stage 2: full-batch loss on detached fp32 representations, and its gradient cache. ---
-        loss, rep_grads = cache_representation_gradients(loss_fn, plans, chunk_reps, cross_process_negatives)
+        loss, rep_grads = cache_representation_gradients(loss_fn, cache, cross_process_negatives)
         report = StepReport(
             loss=loss,
             num_chunks=sum(len(plan) for plan in plans),
@@ -640,14 +645,13 @@ def gradcache_step(
     return report
 
 
-def cache_representation_gradients(loss_fn, plans, chunk_reps, cross_process_negatives):
-    """Stage 2: the full-batch loss and dL/dr for every representation, in batch order, fp32, unscaled."""
-    leaves = []
-    for plan, reps in zip(plans, chunk_reps, strict=True):
-        rows = torch.cat(reps)
-        in_batch_order = torch.empty_like(rows)
-        in_batch_order[torch.cat(plan).to(rows.device)] = rows
-        leaves.append(in_batch_order.requires_grad_())
+def cache_representation_gradients(loss_fn, cache, cross_process_negatives):
+    """Stage 2: the full-batch loss and dL/dr for every representation, in batch order, fp32, unscaled.
+
+    Empties `cache`: from here on the step holds the B x d gradients, not the representations too.
+    """
+    leaves = [reps.requires_grad_() for reps in cache]
+    cache.clear()
     with torch.autocast(leaves[0].device.type, enabled=False), torch.enable_grad():
         if spans_processes(cross_process_negatives):
             return global_batch_gradients(loss_fn, leaves)

@@ -283,6 +283,13 @@ class PeakMeter:
     def __init__(self, device, phase):
         self.device, self.phase, self.peaks, self.added = device, phase, {}, {}
         self.baseline = self.phase_start = start_peak_window(device)
+        self.held_between_chunks = 0
+
+    def note_held(self):
+        """After a chunk's backward: what the step holds between chunks (gradients, the cache)."""
+        now = torch.cuda.memory_allocated() if torch.device(self.device).type == "cuda" else None
+        now = proc_status_bytes("VmRSS") if now is None else now
+        self.held_between_chunks = max(self.held_between_chunks, now - self.baseline)
 
     def switch(self, phase):
         peak = peak_since_window(self.device)
@@ -307,6 +314,7 @@ def make_metered_ours_step(model, chunk_size, chunk_tokens, meter):
         if meter.phase == "loss":
             meter.switch("chunks")
         surrogate.backward()
+        meter.note_held()
 
     chunks = chunking(chunk_size, chunk_tokens)
 
@@ -390,6 +398,9 @@ def measure_step_memory(
         "step_peak_bytes": max(meter.peaks.values()),
         "phase_peak_bytes": meter.peaks,
         "phase_added_bytes": meter.added,
+        "held_between_chunks_bytes": meter.held_between_chunks if method == "ours" else None,
+        # the representation gradients stage 3 holds: batch x columns x dimension, fp32
+        "representation_gradient_bytes": batch_size * len(COLUMNS) * model.get_embedding_dimension() * 4,
         "longest_text_tokens": longest_text(features),
     }
 

@@ -115,6 +115,16 @@ def memory_miss(points, small, large):
         f"{high['longest_text_tokens']} tokens at batch {large} against {low['longest_text_tokens']} at "
         f"batch {small}."
     ]
+    if high.get("held_between_chunks_bytes") and low.get("held_between_chunks_bytes"):
+        held_high, held_low = high["held_between_chunks_bytes"], low["held_between_chunks_bytes"]
+        notes.append(
+            f"Between the chunks of stage 3 the step holds {mib(held_high)} at batch {large} against "
+            f"{mib(held_low)} at batch {small} (the parameter gradients, and the representation gradients: "
+            f"{mib(high['representation_gradient_bytes'])} against "
+            f"{mib(low['representation_gradient_bytes'])}); the chunks add at most "
+            f"{mib(high['step_peak_bytes'] - held_high)} above that against "
+            f"{mib(low['step_peak_bytes'] - held_low)}."
+        )
     same_length = min(
         b
         for m, b in points

@@ -3,8 +3,10 @@
 Plain full-batch training (until it no longer fits under the cap), this project's gradcache_step and
 sentence-transformers' CachedMultipleNegativesRankingLoss at the same chunk budget (a token budget where
 the preset names one, else a number of examples), on anchor, positive and hard-negative columns of
-data/wordnet_train.jsonl.gz. For ours, stage 2 (the loss and its gradients) is also read alone: its peak
-above the memory at its own start, i.e. above its inputs and the graph of the chunk kept for reuse.
+data/wordnet_train.jsonl.gz. Ours gets texts and token counts and tokenizes each chunk in the step, as
+train.py does; plain and ST get the batch tokenized beforehand. For ours, stage 2 (the loss and its
+gradients) is also read alone: its peak above the memory at its own start, i.e. above its inputs and the
+graph of the chunk kept for reuse.
 On CPU every point runs in a fresh process and reads the peak resident set above the one just before
 the step (bench/harness.py says what is in it); on CUDA every point reads torch.cuda.max_memory_allocated
 above the memory allocated before the step.
@@ -75,6 +77,8 @@ def measure(args):
                 "chunk_tokens": args.chunk_tokens,
                 "device": args.device,
                 "cap_bytes": cap_bytes,
+                # ours as train.py runs it: each chunk tokenized in the step, the batch never padded whole
+                "tokenize_per_chunk": method == "ours",
             }
             # CUDA's allocator statistics are exact per window; CPU needs a fresh process per point.
             point = (

@@ -1,7 +1,8 @@
 """Benchmark 3: the largest batch whose training step fits under a fixed memory cap, plain vs this project.
 
 The cap is memory a step may allocate beyond what the process holds just before it (model, AdamW state,
-the tokenized batch). CPU: every probe runs in a fresh process whose address space is limited to its
+the batch: tokenized for plain; for ours texts and token counts, each chunk tokenized in the step, as
+train.py does). CPU: every probe runs in a fresh process whose address space is limited to its
 size before the step plus the cap (RLIMIT_AS), so an allocation beyond it fails; CUDA: the process's
 share of the device is limited the same way (torch.cuda.set_per_process_memory_fraction). The search
 doubles the batch from --start_batch until a step fails or --max_batch is reached, then bisects between
@@ -50,6 +51,7 @@ def search(method, args):
             chunk_size=args.chunk_size,
             device=args.device,
             cap_bytes=int(args.cap_gib * 2**30),
+            tokenize_per_chunk=method == "ours",  # as train.py: the batch is never tokenized as a whole
         )
         probes.append(point)
         print(f"{method:>5} batch {batch_size:>6}: {'fits' if point['fits'] else 'does not fit'}", flush=True)
