@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_train import CONFIGS, launch, logged_scalars, weights
+from test_train import CONFIGS, launch, logged_scalars, weights, zero3_partitioning_everything
 
 import train
 
@@ -257,17 +257,6 @@ def test_fp16_overflows_are_skipped_by_the_scaler_and_training_goes_on(tmp_path,
 # ---------------------------------------------------------------------------------------------------------
 # Out of memory where the processes cannot agree: the job ends, with the chunk size to use, and never hangs
 # ---------------------------------------------------------------------------------------------------------
-
-
-def zero3_partitioning_everything(folder):
-    """The shipped ZeRO-3 config with every parameter partitioned, so that each forward gathers them."""
-    deepspeed_config = json.loads((CONFIGS / "deepspeed" / "zero3.json").read_text())
-    deepspeed_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    (folder / "zero3.json").write_text(json.dumps(deepspeed_config))
-    config = folder / "zero3.yaml"
-    shipped = (CONFIGS / "deepspeed_zero3.yaml").read_text()
-    config.write_text(shipped.replace("accelerate_configs/deepspeed/zero3.json", str(folder / "zero3.json")))
-    return config
 
 
 @pytest.mark.parametrize("backend", ["zero3", "ddp"])

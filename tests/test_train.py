@@ -344,17 +344,21 @@ def test_deepspeed_reproduces_the_plain_run(
         assert all(torch.equal(resumed[name], saved[name]) for name in saved)
 
 
-def test_zero3_saves_partitioned_weights_whole(tmp_path, data, model_without_dropout, reference_runs):
-    """The shipped ZeRO-3 config keeps a tiny model's parameters whole (below DeepSpeed's persistence
-    threshold); with the threshold at 0 every parameter is split over the two processes."""
+def zero3_partitioning_everything(folder):
+    """The shipped ZeRO-3 config with every parameter partitioned, so that each forward gathers them: the
+    shipped one keeps a tiny model's parameters whole (below DeepSpeed's persistence threshold)."""
     deepspeed_config = json.loads((CONFIGS / "deepspeed" / "zero3.json").read_text())
     deepspeed_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    (tmp_path / "zero3.json").write_text(json.dumps(deepspeed_config))
+    (folder / "zero3.json").write_text(json.dumps(deepspeed_config))
+    config = folder / "zero3.yaml"
     shipped = (CONFIGS / "deepspeed_zero3.yaml").read_text()
-    config = tmp_path / "zero3.yaml"
-    config.write_text(
-        shipped.replace("accelerate_configs/deepspeed/zero3.json", str(tmp_path / "zero3.json"))
-    )
+    config.write_text(shipped.replace("accelerate_configs/deepspeed/zero3.json", str(folder / "zero3.json")))
+    return config
+
+
+def test_zero3_saves_partitioned_weights_whole(tmp_path, data, model_without_dropout, reference_runs):
+    """With every parameter split over the two processes, final/ holds them whole."""
+    config = zero3_partitioning_everything(tmp_path)
     common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS)
     launch_deepspeed(config, tmp_path / "run", *common, processes=2)
 
@@ -402,6 +406,17 @@ def test_a_bad_data_file_stops_the_launch_before_training(tmp_path, data, model_
     assert done.returncode != 0
     assert f"{broken}, line 5 is not valid JSON" in done.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_deepspeed_refuses_gradient_accumulation_before_training(tmp_path, data, model_without_dropout):
+    common = ("--model", model_without_dropout, "--data", data[0], "--wandb_mode", "disabled")
+    done = launch(
+        CONFIGS / "deepspeed_zero2.yaml", tmp_path, *common, "--gradient_accumulation_steps", "2", check=False
+    )
+    assert done.returncode != 0
+    assert "--gradient_accumulation_steps > 1 under DeepSpeed" in done.stderr
+    assert "Raise --batch_size instead" in done.stderr
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def fails_with(capsys, call, *fragments):
