@@ -26,7 +26,6 @@ import torch
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib import ticker  # noqa: E402
 
 DEFAULTS = {"num_layers": None}
 PRESETS = {
@@ -196,13 +195,13 @@ def plot(results, args, path):
     ratios = [statistics.median(time_ratios(by_chunk[chunk][2])) for chunk in chunks]
     time_axes.plot(chunks, ratios, marker="o", label="with / without")
     time_axes.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    time_axes.set_xscale("log", base=2)
-    time_axes.xaxis.set_major_formatter(ticker.ScalarFormatter())
-    time_axes.set_xlabel("chunk size (examples)")
-    time_axes.set_ylabel("step time ratio")
-    time_axes.set_title("Step time, checkpointing on / off (median of rounds)")
-    time_axes.grid(True, which="both", alpha=0.3)
-    time_axes.legend(fontsize=8)
+    harness.log_axes(
+        time_axes,
+        "step time ratio",
+        "Step time, checkpointing on / off (median of rounds)",
+        xlabel="chunk size (examples)",
+        log_y=False,
+    )
     harness.save_figure(figure, path)
 
 

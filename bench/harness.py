@@ -287,8 +287,8 @@ class PeakMeter:
 
     def note_held(self):
         """After a chunk's backward: what the step holds between chunks (gradients, the cache)."""
-        now = torch.cuda.memory_allocated() if torch.device(self.device).type == "cuda" else None
-        now = proc_status_bytes("VmRSS") if now is None else now
+        on_cuda = torch.device(self.device).type == "cuda"
+        now = torch.cuda.memory_allocated() if on_cuda else proc_status_bytes("VmRSS")
         self.held_between_chunks = max(self.held_between_chunks, now - self.baseline)
 
     def switch(self, phase):
@@ -603,15 +603,16 @@ def benchmark_parser(doc, presets):
     return parser
 
 
-def log_axes(axes, ylabel, title, xlabel="batch size (examples; 3 texts each)"):
-    """Both axes in powers of two, labelled in plain numbers."""
+def log_axes(axes, ylabel, title, xlabel="batch size (examples; 3 texts each)", log_y=True):
+    """The x axis (and the y axis with `log_y`) in powers of two, labelled in plain numbers."""
     from matplotlib import ticker
 
     axes.set_xscale("log", base=2)
     axes.xaxis.set_major_formatter(ticker.ScalarFormatter())
-    axes.set_yscale("log", base=2)
-    axes.yaxis.set_major_formatter(ticker.ScalarFormatter())
-    axes.yaxis.set_minor_formatter(ticker.NullFormatter())
+    if log_y:
+        axes.set_yscale("log", base=2)
+        axes.yaxis.set_major_formatter(ticker.ScalarFormatter())
+        axes.yaxis.set_minor_formatter(ticker.NullFormatter())
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
     axes.set_title(title)

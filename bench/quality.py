@@ -34,7 +34,6 @@ from sentence_transformers.sentence_transformer.evaluation import InformationRet
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib import ticker  # noqa: E402
 
 DEV_FILE = harness.ROOT / "data" / "wordnet_dev.jsonl.gz"
 ACCELERATE_CONFIGS = {"cpu": "accelerate_configs/cpu.yaml", "cuda": "accelerate_configs/single_gpu.yaml"}
@@ -182,16 +181,14 @@ def plot(runs, args, path):
         [r["batch_size"] for r in trained], [r["mrr@10"] for r in trained], marker="o", label="fine-tuned"
     )
     axes.axhline(runs[0]["mrr@10"], color="gray", linestyle="--", label="before fine-tuning")
-    axes.set_xscale("log", base=2)
-    axes.xaxis.set_major_formatter(ticker.ScalarFormatter())
-    axes.set_xlabel("contrastive batch size")
-    axes.set_ylabel("dev MRR@10")
-    axes.set_title("Batch size and retrieval quality (equal epochs)")
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    harness.log_axes(
+        axes,
+        "dev MRR@10",
+        "Batch size and retrieval quality (equal epochs)",
+        xlabel="contrastive batch size",
+        log_y=False,
+    )
+    harness.save_figure(figure, path)
 
 
 def main(argv=None):
