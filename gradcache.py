@@ -49,6 +49,7 @@ latter for Hugging Face accelerate without importing it.
 import contextlib
 import dataclasses
 import inspect
+import typing
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -309,16 +310,13 @@ def plan_chunks(column, chunk_size=None, sort_by_length=True, *, chunk_tokens=No
     if (chunk_size is None) == (chunk_tokens is None):
         raise ValueError("pass one of chunk_size (examples per chunk) and chunk_tokens (padded tokens).")
     batch_size = batch_size_of(column)
-    mask = column.get("attention_mask") if isinstance(column, Mapping) else None
-    if lengths is None and isinstance(mask, torch.Tensor):
-        lengths = mask.sum(dim=1)
+    lengths = example_lengths(column, lengths)
     if lengths is None and chunk_tokens is not None:
         raise ValueError(
             "chunk_tokens needs each example's length: pass lengths= (tokens per example) for a column "
             "without an attention mask, or use chunk_size."
         )
     if lengths is not None:
-        lengths = torch.as_tensor(lengths).cpu()
         if lengths.shape != (batch_size,):
             raise ValueError(f"lengths holds {lengths.numel()} values for a column of {batch_size} examples.")
     if sort_by_length and lengths is not None:
@@ -335,6 +333,75 @@ def plan_chunks(column, chunk_size=None, sort_by_length=True, *, chunk_tokens=No
         chunk.append(example)
         longest = max(longest, length)
     return [torch.tensor(chunk) for chunk in [*chunks, chunk]]
+
+
+class Chunk(typing.NamedTuple):
+    """Examples `index` of column `column`, encoded in one forward. A padding chunk repeats one example
+    so that this process runs as many passes as the others: it is encoded and back-propagated with a zero
+    weight, and never enters the loss."""
+
+    column: int
+    index: torch.Tensor
+    padding: bool = False
+
+
+def plan_step(columns, limits, by_tokens, lengths, together, sort_by_length=True):
+    """The step's groups (what one backward covers), the same in number and shape on every process.
+
+    Each column is planned alone (`plan_chunks`), from this process's texts. Under ZeRO-2 and ZeRO-3 every
+    forward and backward is a collective, so the processes then agree on the number of chunks of every
+    column (the largest any of them planned: one all-reduce), and a process that planned fewer halves its
+    largest chunks, in tokens or examples, until it has as many: halving never exceeds the budget. A column
+    with fewer examples than chunks gets padding chunks.
+
+    A shared encoder back-propagates chunk by chunk: one group per chunk, column after column. Separate
+    towers (`together`) back-propagate one chunk of every column together, so every column holds the same
+    number of chunks: under ZeRO-3 every backward must reach every tower, or a tower's first gradient of
+    the step lands on a stale one (DeepSpeed issue #1355), and under DDP each backward must see the same
+    parameters on every process.
+    """
+    limit_name = "chunk_tokens" if by_tokens else "chunk_size"
+    counted = [
+        example_lengths(column, column_lengths)
+        for column, column_lengths in zip(columns, lengths, strict=True)
+    ]
+    plans = [
+        plan_chunks(column, sort_by_length=sort_by_length, lengths=column_lengths, **{limit_name: limit})
+        for column, limit, column_lengths in zip(columns, limits, counted, strict=True)
+    ]
+    counts = [max(map(len, plans))] * len(plans) if together else [len(plan) for plan in plans]
+    counts = largest_on_any_process(counts)
+    plans = [split_to(plan, count, sizes) for plan, count, sizes in zip(plans, counts, counted, strict=True)]
+    if together:
+        return [[Chunk(c, *plan[s]) for c, plan in enumerate(plans)] for s in range(counts[0])]
+    return [[Chunk(c, *chunk)] for c, plan in enumerate(plans) for chunk in plan]
+
+
+def example_lengths(column, lengths):
+    """Tokens per example: `lengths` as given, else from a features dict's attention mask, else None."""
+    mask = column.get("attention_mask") if isinstance(column, Mapping) else None
+    if lengths is None and isinstance(mask, torch.Tensor):
+        lengths = mask.sum(dim=1)
+    return None if lengths is None else torch.as_tensor(lengths).cpu()
+
+
+def split_to(plan, count, lengths):
+    """[(index, padding)]: `plan` with its largest chunks halved until it holds `count` chunks, then padding
+    chunks (its shortest example again) where every chunk is down to one example."""
+
+    def padded_size(chunk):
+        return len(chunk) * (1 if lengths is None else int(lengths[chunk].max()))
+
+    plan = list(plan)
+    while len(plan) < count:
+        largest = max(range(len(plan)), key=lambda s: padded_size(plan[s]))
+        chunk = plan[largest]
+        if len(chunk) == 1:
+            break
+        half = (len(chunk) + 1) // 2
+        plan[largest : largest + 1] = [chunk[:half], chunk[half:]]
+    padding = [(plan[-1][-1:], True)] * (count - len(plan))
+    return [(chunk, False) for chunk in plan] + padding
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -385,10 +452,12 @@ class RngState:
             yield
 
 
-def cuda_devices_of(encoder, column):
-    tensors = [value for value in column.values()] if isinstance(column, Mapping) else [column]
-    if isinstance(encoder, nn.Module):
-        tensors += [next(encoder.parameters(), torch.empty(0))]
+def cuda_devices_of(encoders, columns):
+    """The CUDA devices whose RNG a group's forward may draw from: its inputs', its encoders', the current."""
+    tensors = [
+        v for column in columns for v in (column.values() if isinstance(column, Mapping) else [column])
+    ]
+    tensors += [next(e.parameters(), None) for e in encoders if isinstance(e, nn.Module)]
     devices = {t.device.index for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         devices.add(torch.cuda.current_device())
@@ -398,12 +467,6 @@ def cuda_devices_of(encoder, column):
 # ---------------------------------------------------------------------------------------------------------
 # Cross-process negatives
 # ---------------------------------------------------------------------------------------------------------
-
-
-def guard_device(columns, encoders):
-    tensors = [v for col in columns for v in (col.values() if isinstance(col, Mapping) else [col])]
-    tensors += [next(e.parameters(), None) for e in encoders if isinstance(e, nn.Module)]  # text columns
-    return next((t.device for t in tensors if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
 def gather_from_all_processes(local):
@@ -438,13 +501,28 @@ class ChunkOutOfMemory(RuntimeError):
         self.agreed = agreed
 
 
-def any_process(flag, device):
+def any_process(flag):
     """True on every process if `flag` is True on any (a no-op without torch.distributed)."""
+    return bool(largest_on_any_process([int(flag)])[0])
+
+
+def largest_on_any_process(numbers):
+    """Each of `numbers` replaced by its largest value on any process: one all-reduce of a few ints."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    flags = torch.tensor([float(flag)], device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return bool(flags.item())
+        return list(numbers)
+    largest = torch.tensor(numbers, dtype=torch.int64, device=collective_device())
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return largest.tolist()
+
+
+def collective_device():
+    """Where the default process group takes its tensors: the CPU for gloo (and MPI), else the current
+    accelerator (NCCL refuses CPU tensors, whatever device the columns or the encoder live on)."""
+    backend = str(dist.get_backend())
+    if "gloo" in backend or backend == "mpi" or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 def out_of_memory_error(limits, by_tokens, agreed=True):
@@ -495,12 +573,17 @@ def gradcache_step(
     cross_process_negatives: bool = False,
     allow_batch_mixing: bool = False,
     agree_on_out_of_memory: bool = True,
+    encode_group: Callable | None = None,
 ) -> StepReport:
     """Accumulate into `.grad` the exact full-batch gradient of `loss_fn` over `columns`.
 
-    encoders:     one callable shared by all columns, or one per column (query and document towers).
-                  Under DDP give each tower its own DDP wrapper; under DeepSpeed put the towers in one
-                  module and pass callables that route through the engine.
+    encoders:     one callable shared by all columns, or one per column (query and document towers),
+                  called on one chunk's input. None with `encode_group`.
+    encode_group: instead of `encoders`, one callable for a whole group: `encode_group(inputs, columns)`,
+                  with a list of chunk inputs and their column indices, returns their outputs. Towers under
+                  DDP need it: each DDP forward searches its own output for the parameters it used, so
+                  one backward must follow one forward that ran every tower. Groups are then those of
+                  separate towers (one chunk of every column).
     columns:      the batch, one entry per text column (anchor, positive, hard negatives...), each a
                   sentence-transformers features dict, a tensor, or what `select` understands (a list of
                   texts with `select=tokenize_per_chunk(...)`).
@@ -533,42 +616,32 @@ def gradcache_step(
                   and negative controls (without RNG replay, dropout makes the gradients wrong).
     """
     columns = list(columns)
+    together_call = encode_group is not None
+    if together_call:
+        encoders = [encode_group] * len(columns)
     encoders = list(encoders) if isinstance(encoders, Sequence) else [encoders] * len(columns)
+    together = together_call or len({id(encoder) for encoder in encoders}) > 1
     selects = list(select) if isinstance(select, Sequence) else [select] * len(columns)
-    shared = len({id(encoder) for encoder in encoders}) == 1
     if chunk_size is not None and chunk_tokens is not None:
         raise ValueError(
             "pass chunk_size or chunk_tokens, not both: a chunk is counted in examples or in padded tokens."
         )
     by_tokens = chunk_tokens is not None
-    if by_tokens:
-        limit_name, limit = "chunk_tokens", chunk_tokens
-    else:
-        limit_name, limit = "chunk_size", 32 if chunk_size is None else chunk_size
+    limit = chunk_tokens if by_tokens else 32 if chunk_size is None else chunk_size
     limits = list(limit) if isinstance(limit, Sequence) else [limit] * len(columns)
     lengths = [None] * len(columns) if lengths is None else list(lengths)
     check_step_arguments(encoders, columns, limits, by_tokens, lengths, allow_batch_mixing)
     check_loss_takes_local_rows(loss_fn, cross_process_negatives)
-
-    # A group is what one backward covers. A shared encoder back-propagates chunk by chunk. Separate
-    # towers back-propagate one chunk of every column together: under ZeRO-3 every backward must touch
-    # every tower, or a tower's first gradient lands on a stale one (DeepSpeed issue #1355).
-    plans = [
-        plan_chunks(column, sort_by_length=sort_by_length, lengths=column_lengths, **{limit_name: limit})
-        for column, limit, column_lengths in zip(columns, limits, lengths, strict=True)
-    ]
-    if shared:
-        groups = [[(c, index)] for c, plan in enumerate(plans) for index in plan]
-    else:
-        groups = [
-            [(c, plan[s]) for c, plan in enumerate(plans) if s < len(plan)]
-            for s in range(max(len(plan) for plan in plans))
-        ]
+    groups = plan_step(columns, limits, by_tokens, lengths, together, sort_by_length)
 
     def encode(group):
-        return [get_rep(encoders[c](selects[c](columns[c], index))) for c, index in group]
+        inputs = [selects[c](columns[c], index) for c, index, _ in group]
+        if together_call:
+            return [get_rep(output) for output in encode_group(inputs, [chunk.column for chunk in group])]
+        return [
+            get_rep(encoders[c](chunk_input)) for (c, _, _), chunk_input in zip(group, inputs, strict=True)
+        ]
 
-    device = None  # where the guards' flags live: the representations' device
     reps = kept_reps = None
     out_of_memory = alone = False  # alone: ran out where the other processes cannot learn of it
     # The kept group's sync context stays open from its forward in stage 1 to its backward in stage 3.
@@ -580,38 +653,39 @@ def gradcache_step(
         rng_states = []
         try:
             for g, group in enumerate(groups):
-                devices = sorted({d for c, _ in group for d in cuda_devices_of(encoders[c], columns[c])})
+                group_encoders = [encode_group] if together_call else [encoders[c] for c, _, _ in group]
+                devices = cuda_devices_of(group_encoders, [columns[c] for c, _, _ in group])
                 rng_states.append(RngState.capture(devices))
                 keep = reuse_last_chunk and g == len(groups) - 1
                 if keep:
                     kept_sync.enter_context(sync_context(len(groups) == 1))
                 with torch.set_grad_enabled(keep):
                     reps = encode(group)
-                for (c, index), rep in zip(group, reps, strict=True):
+                for (c, index, padding), rep in zip(group, reps, strict=True):
                     if cache[c] is None:
                         size = (batch_size_of(columns[c]), *rep.shape[1:])
                         cache[c] = torch.empty(size, dtype=torch.float32, device=rep.device)
-                    cache[c][index.to(rep.device)] = rep.detach().float()
-                device = reps[0].device
+                    if not padding:
+                        cache[c][index.to(rep.device)] = rep.detach().float()
                 kept_reps = reps if keep else None
         except torch.OutOfMemoryError:
             out_of_memory = True  # raised below, outside the handler, whose traceback would pin the chunk
         if out_of_memory and not agree_on_out_of_memory:
             raise out_of_memory_error(limits, by_tokens, agreed=False)
-        if any_process(out_of_memory, device or guard_device(columns, encoders)):
+        if any_process(out_of_memory):
             raise out_of_memory_error(limits, by_tokens)
 
         # --- Stage 2: full-batch loss on detached fp32 representations, and its gradient cache. ---
         loss, rep_grads = cache_representation_gradients(loss_fn, cache, cross_process_negatives)
         report = StepReport(
             loss=loss,
-            num_chunks=sum(len(plan) for plan in plans),
+            num_chunks=sum(len(group) for group in groups),
             num_reencoded=sum(len(group) for group in groups)
             - (len(groups[-1]) if kept_reps is not None else 0),
             rep_grad_norm=float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in rep_grads]))),
         )
         finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(g).all()) for g in rep_grads)
-        if any_process(not finite, device):
+        if any_process(not finite):
             report.skipped = True  # an optimizer step on these gradients would poison the weights
             return report
 
@@ -629,7 +703,7 @@ def gradcache_step(
         if out_of_memory and alone:
             break
         if is_last and agree_on_out_of_memory:  # agree before the backward that synchronizes
-            out_of_memory = any_process(out_of_memory, device)
+            out_of_memory = any_process(out_of_memory)
         if out_of_memory:
             continue
         try:
@@ -720,12 +794,14 @@ def check_loss_takes_local_rows(loss_fn, cross_process_negatives):
 
 
 def backpropagate_cache(group, reps, rep_grads, backward):
-    """Stage 3 for one group: backward of the surrogate sum <r, dL/dr>; its gradient is the group's share."""
+    """Stage 3 for one group: backward of the surrogate sum <r, dL/dr>; its gradient is the group's share.
+
+    A padding chunk enters with a zero weight: its backward reaches the same parameters as the others'."""
     # fp32 with autocast off: the representation gradients are unscaled, `backward` scales (fp16) once.
     with torch.autocast(reps[0].device.type, enabled=False):
         surrogate = sum(
-            (rep.float() * rep_grads[c][index.to(rep.device)]).sum()
-            for (c, index), rep in zip(group, reps, strict=True)
+            rep.float().sum() * 0.0 if padding else (rep.float() * rep_grads[c][index.to(rep.device)]).sum()
+            for (c, index, padding), rep in zip(group, reps, strict=True)
         )
     backward(surrogate)
 

@@ -589,13 +589,28 @@ def role_task(column):
     return "query" if column == "anchor" else "document"
 
 
-def column_encoders(engine, model, columns):
-    """The engine, or for a Router model one callable per task: gradcache then back-propagates a chunk of
-    every column together, so every backward reaches both towers (under ZeRO-3 it must, see gradcache)."""
-    if not any(isinstance(module, Router) for module in model.modules()):
-        return engine
-    towers = {task: functools.partial(engine, task=task) for task in ("query", "document")}
-    return [towers[role_task(column)] for column in columns]
+class Towers(torch.nn.Module):
+    """A Router model (query and document towers) encoding one group of chunks in one forward.
+
+    gradcache back-propagates one chunk of every column together, so every backward reaches both towers (as
+    ZeRO-3 needs). DDP with find_unused_parameters reads the parameters a backward will reach from the output
+    of the forward before it: one call per column would leave the query tower "unused" after the document
+    call, then find its gradients too ("marked as ready twice"). One call for the group keeps one all-reduce.
+    """
+
+    def __init__(self, model, column_names):
+        super().__init__()
+        self.model, self.tasks = model, [role_task(column) for column in column_names]
+
+    def forward(self, inputs, columns):
+        return [
+            self.model(features, task=self.tasks[c])["sentence_embedding"]
+            for features, c in zip(inputs, columns, strict=True)
+        ]
+
+
+def is_router(model):
+    return any(isinstance(module, Router) for module in model.modules())
 
 
 def tokenize(model, texts, column, prompts, padding=True):
@@ -1013,7 +1028,9 @@ def main(args):
     evaluator = build_evaluator(dev_data, args.dev_queries, prompts) if dev_data and args.eval_steps else None
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapter only
     adamw = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
-    engine, optimizer, loader = accelerator.prepare(model, adamw, make_loader(train_data, args))
+    towers = is_router(model)  # the engine then encodes a whole group of chunks per call
+    trained = Towers(model, train_data.column_names) if towers else model
+    engine, optimizer, loader = accelerator.prepare(trained, adamw, make_loader(train_data, args))
     derived = derive_numbers(args, accelerator, loader, train_data, skipped_records)
     total_steps = derived["total_steps"]
     # Not prepared: accelerate steps a prepared scheduler once per process under DDP and hands it to DeepSpeed
@@ -1034,7 +1051,6 @@ def main(args):
     # fp16 scales the loss; an overflowing step is then skipped by the scaler (or DeepSpeed) itself.
     loss_scaled = accelerator.scaler is not None or (deepspeed and engine.fp16_enabled())
     selects = chunk_selects(model, train_data.column_names, prompts, accelerator.device)
-    encoders = column_encoders(engine, model, train_data.column_names)
     start_tracking(accelerator, args, derived, output_dir)
     progress = Progress()
     if resume:
@@ -1066,7 +1082,7 @@ def main(args):
                 while report is None:  # a second time only after an out-of-memory, with a smaller chunk
                     try:
                         report = gradcache.gradcache_step(
-                            encoders,
+                            None if towers else engine,
                             columns,
                             loss_fn,
                             **chunking,
@@ -1076,6 +1092,7 @@ def main(args):
                             sync_context=sync_context,
                             cross_process_negatives=args.cross_process_negatives,
                             agree_on_out_of_memory=not deepspeed,  # ZeRO's passes are collectives
+                            encode_group=engine if towers else None,
                         )
                     except gradcache.ChunkOutOfMemory as err:  # every process raises it together
                         chunking = smaller_chunk(err, chunking, args, accelerator)

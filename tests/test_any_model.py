@@ -12,7 +12,8 @@ import sys
 import datasets
 import pytest
 import torch
-from test_gradcache import max_relative_difference, reference_gradients
+from references import StageOneRecorder
+from test_gradcache import max_relative_difference
 from test_train import (
     CONFIGS,
     REPO,
@@ -32,7 +33,7 @@ TOLERANCE = 1e-5
 COLUMNS = ("anchor", "positive", "negative_1")
 
 # ---------------------------------------------------------------------------------------------------------
-# Architectures: exact gradients (dropout on) through prepare_model, tokenize and column_encoders
+# Architectures: exact gradients (dropout on) through prepare_model, tokenize and Towers
 # ---------------------------------------------------------------------------------------------------------
 
 ARCHITECTURES = {
@@ -95,13 +96,16 @@ def test_each_architecture_is_exact_with_dropout(tmp_path, name):
     assert similarity == ("dot" if "dot" in name else "cos")
     loss_fn = functools.partial(gradcache.contrastive_loss, similarity=similarity, symmetric=True)
 
-    encoders = train.column_encoders(model, model, COLUMNS)
-    assert isinstance(encoders, list) == (kind == "router")  # towers: a chunk of each column per backward
+    # As train.py calls it: a Router model encodes each group (a chunk of every column) in one call.
+    towers = train.Towers(model, COLUMNS) if train.is_router(model) else None
+    assert (towers is not None) == (kind == "router")
     torch.manual_seed(1)
-    report = gradcache.gradcache_step(encoders, columns, loss_fn, 3)
-    ref_encoders = train.column_encoders(reference, reference, COLUMNS)
-    ref_encoders = ref_encoders if isinstance(ref_encoders, list) else [reference] * len(COLUMNS)
-    ref_loss = reference_gradients(ref_encoders, columns, loss_fn, 3, seed=1)
+    recorder = StageOneRecorder()
+    report = recorder.step(None if towers else model, columns, loss_fn, 3, encode_group=towers)
+    ref_encoders = [reference] * len(COLUMNS)
+    if towers:
+        ref_encoders = [functools.partial(reference, task=train.role_task(c)) for c in COLUMNS]
+    ref_loss = recorder.replay(ref_encoders, loss_fn)
     difference = max_relative_difference([model], [reference])
     print(f"{name}: max relative gradient difference {difference:.2e}")
     if name.startswith("negative-control"):

@@ -2,8 +2,9 @@
 
 The reference never uses the cache: it keeps the graph of the whole batch and back-propagates the loss once.
 With dropout off it is the plain unchunked forward. With dropout on, dropout masks depend on the shape of each
-forward, so the reference encodes the same chunks in the same order from the same seed (same masks) and still
-back-propagates the full-batch loss through one graph.
+forward, so the reference (`StageOneRecorder`) re-encodes the inputs that stage 1 was seen to encode, each
+from the RNG state seen before it (same masks), and still back-propagates the full-batch loss through one
+graph: it observes gradcache's chunks, it never plans them.
 """
 
 import copy
@@ -11,6 +12,7 @@ import functools
 
 import pytest
 import torch
+from references import StageOneRecorder
 from torch import nn
 
 import gradcache
@@ -60,28 +62,6 @@ def column_encoders(query, document, num_columns):
     return [query] + [document] * (num_columns - 1)
 
 
-def reference_gradients(encoders, columns, loss_fn, chunk_size, seed):
-    """Full-batch gradients through one graph; with chunks encoded as gradcache's stage 1 encodes them."""
-    torch.manual_seed(seed)
-    shared = len({id(e) for e in encoders}) == 1
-    plans = [gradcache.plan_chunks(column, chunk_size) for column in columns]
-    if shared:
-        order = [(c, index) for c, plan in enumerate(plans) for index in plan]
-    else:
-        order = [
-            (c, plan[s]) for s in range(max(map(len, plans))) for c, plan in enumerate(plans) if s < len(plan)
-        ]
-    chunk_reps = [[] for _ in columns]
-    for c, index in order:
-        chunk_reps[c].append(encoders[c](gradcache.select_examples(columns[c], index))["sentence_embedding"])
-    reps = [
-        torch.cat(chunks)[torch.argsort(torch.cat(plan))]
-        for chunks, plan in zip(chunk_reps, plans, strict=True)
-    ]
-    loss_fn(*reps).backward()
-    return loss_fn(*[r.detach() for r in reps])
-
-
 def unchunked_reference(encoders, columns, loss_fn):
     loss = loss_fn(
         *[encoder(column)["sentence_embedding"] for encoder, column in zip(encoders, columns, strict=True)]
@@ -116,11 +96,10 @@ def run_both(towers, num_negatives, chunk_size, dropout, symmetric, **step_optio
     ref_encoders = column_encoders(ref_query, ref_document, len(columns))
 
     torch.manual_seed(1)
-    report = gradcache.gradcache_step(
-        query if not towers else encoders, columns, loss_fn, chunk_size, **step_options
-    )
+    recorder = StageOneRecorder()
+    report = recorder.step(query if not towers else encoders, columns, loss_fn, chunk_size, **step_options)
     if dropout:
-        ref_loss = reference_gradients(ref_encoders, columns, loss_fn, chunk_size, seed=1)
+        ref_loss = recorder.replay(ref_encoders, loss_fn)
     else:
         ref_loss = unchunked_reference(ref_encoders, columns, loss_fn)
     modules = [query, document] if towers else [query]
@@ -208,8 +187,9 @@ def test_last_chunk_is_reused_not_recomputed(reuse):
     encoder = CountingEncoder(make_encoders(False, dropout=0.2)[0])
     reference = copy.deepcopy(encoder.encoder)
     torch.manual_seed(1)
-    report = gradcache.gradcache_step(encoder, columns, gradcache.contrastive_loss, 5, reuse_last_chunk=reuse)
-    reference_gradients([reference, reference], columns, gradcache.contrastive_loss, 5, seed=1)
+    recorder = StageOneRecorder()
+    report = recorder.step(encoder, columns, gradcache.contrastive_loss, 5, reuse_last_chunk=reuse)
+    recorder.replay([reference, reference], gradcache.contrastive_loss)
 
     chunks = 2 * 3  # two columns of 12 in chunks of 5
     no_grad_calls = sum(not grad for grad, _ in encoder.calls)
@@ -251,10 +231,14 @@ def test_rng_is_left_where_one_encoding_pass_leaves_it():
     columns = make_batch(1)
     encoder = make_encoders(False, dropout=0.2)[0]
     torch.manual_seed(3)
-    gradcache.gradcache_step(encoder, columns, gradcache.contrastive_loss, 5)
+    recorder = StageOneRecorder()
+    recorder.step(encoder, columns, gradcache.contrastive_loss, 5)
     after_step = torch.get_rng_state()
-    torch.manual_seed(3)
-    reference_gradients([copy.deepcopy(encoder)] * 3, columns, gradcache.contrastive_loss, 5, seed=3)
+    torch.manual_seed(3)  # one pass: every chunk stage 1 encoded, once, in its order
+    for _, entries in recorder.calls:
+        for _, _, inputs in entries:
+            encoder(inputs)
+    assert len(recorder.calls) == 3 * 3
     assert torch.equal(after_step, torch.get_rng_state())
 
 
@@ -316,9 +300,10 @@ def test_sentence_transformers_models_exact(which, dropout, tmp_path, monkeypatc
     loss_fn = functools.partial(gradcache.contrastive_loss, symmetric=True)
 
     torch.manual_seed(1)
-    report = gradcache.gradcache_step(model, columns, loss_fn, 4)
+    recorder = StageOneRecorder()
+    report = recorder.step(model, columns, loss_fn, 4)
     if dropout:
-        ref_loss = reference_gradients([reference] * 3, columns, loss_fn, 4, seed=1)
+        ref_loss = recorder.replay([reference] * 3, loss_fn)
     else:
         ref_loss = unchunked_reference([reference] * 3, columns, loss_fn)
     difference = max_relative_difference([model], [reference])
