@@ -638,6 +638,41 @@ def chunk_selects(model, columns, prompts, device):
     return [gradcache.tokenize_per_chunk(tokenizer_of(column)) for column in columns]
 
 
+def loss_function(args, model):
+    """The contrastive loss of stage 2, as the flags set it."""
+    return functools.partial(
+        gradcache.contrastive_loss,
+        scale=args.scale,
+        similarity=loss_similarity(model),
+        symmetric=args.symmetric,
+        tile_size=args.loss_tile_size,
+        matryoshka_dims=args.matryoshka_dims,
+        matryoshka_weights=args.matryoshka_weights,
+    )
+
+
+def gradient_cache_step(accelerator, engine, model, prompts, loss_fn, args, batch, chunking):
+    """Gradient Cache on one batch ({column: texts}): accumulates its gradients, returns gradcache's report.
+
+    Texts are tokenized chunk by chunk as they are encoded (`select`), never padded as a batch; only their
+    token counts are taken up front. A Router model's engine (`Towers`) encodes a whole group per call.
+    """
+    towers = isinstance(accelerator.unwrap_model(engine), Towers)
+    return gradcache.gradcache_step(
+        None if towers else engine,
+        list(batch.values()),
+        loss_fn,
+        **chunking,
+        lengths=[token_lengths(model, texts, column, prompts) for column, texts in batch.items()],
+        select=chunk_selects(model, list(batch), prompts, accelerator.device),
+        backward=accelerator.backward,
+        sync_context=gradcache.accelerate_sync_context(accelerator, engine),
+        cross_process_negatives=args.cross_process_negatives,
+        agree_on_out_of_memory=accelerator.distributed_type != DistributedType.DEEPSPEED,  # collectives
+        encode_group=engine if towers else None,
+    )
+
+
 def find_checkpoint(spec, checkpoints_dir):
     """The folder to resume from: `spec`, or for 'latest' the newest complete step_<N> (None if none)."""
     if spec != "latest":
@@ -1028,8 +1063,8 @@ def main(args):
     evaluator = build_evaluator(dev_data, args.dev_queries, prompts) if dev_data and args.eval_steps else None
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapter only
     adamw = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
-    towers = is_router(model)  # the engine then encodes a whole group of chunks per call
-    trained = Towers(model, train_data.column_names) if towers else model
+    # A Router model's engine encodes a whole group of chunks per call (Towers).
+    trained = Towers(model, train_data.column_names) if is_router(model) else model
     engine, optimizer, loader = accelerator.prepare(trained, adamw, make_loader(train_data, args))
     derived = derive_numbers(args, accelerator, loader, train_data, skipped_records)
     total_steps = derived["total_steps"]
@@ -1038,19 +1073,11 @@ def main(args):
     # DeepSpeed's ZeRO optimizers step in place.
     scheduler = get_scheduler(args.lr_schedule, adamw, round(args.warmup_ratio * total_steps), total_steps)
     accelerator.register_for_checkpointing(scheduler)
-    loss_fn = functools.partial(
-        gradcache.contrastive_loss,
-        scale=args.scale,
-        similarity=loss_similarity(model),
-        symmetric=args.symmetric,
-        tile_size=args.loss_tile_size,
-        matryoshka_dims=args.matryoshka_dims,
-        matryoshka_weights=args.matryoshka_weights,
+    step = functools.partial(
+        gradient_cache_step, accelerator, engine, model, prompts, loss_function(args, model), args
     )
-    sync_context = gradcache.accelerate_sync_context(accelerator, engine)
     # fp16 scales the loss; an overflowing step is then skipped by the scaler (or DeepSpeed) itself.
     loss_scaled = accelerator.scaler is not None or (deepspeed and engine.fp16_enabled())
-    selects = chunk_selects(model, train_data.column_names, prompts, accelerator.device)
     start_tracking(accelerator, args, derived, output_dir)
     progress = Progress()
     if resume:
@@ -1075,25 +1102,10 @@ def main(args):
         for batch in batches:
             batch_start = time.perf_counter()
             with accelerator.accumulate(engine):
-                # Texts, tokenized chunk by chunk as they are encoded (select): never padded as a batch.
-                columns = [batch[c] for c in batch]
-                lengths = [token_lengths(model, batch[c], c, prompts) for c in batch]
                 report = None
                 while report is None:  # a second time only after an out-of-memory, with a smaller chunk
                     try:
-                        report = gradcache.gradcache_step(
-                            None if towers else engine,
-                            columns,
-                            loss_fn,
-                            **chunking,
-                            lengths=lengths,
-                            select=selects,
-                            backward=accelerator.backward,
-                            sync_context=sync_context,
-                            cross_process_negatives=args.cross_process_negatives,
-                            agree_on_out_of_memory=not deepspeed,  # ZeRO's passes are collectives
-                            encode_group=engine if towers else None,
-                        )
+                        report = step(batch, chunking)
                     except gradcache.ChunkOutOfMemory as err:  # every process raises it together
                         chunking = smaller_chunk(err, chunking, args, accelerator)
                     if report is None:  # the error, and the step it pinned, are gone: release the memory

@@ -307,23 +307,29 @@ def passes(case, comparison):
 
 def launch(cases, out_dir, world_size, environment=(), timeout=600):
     """Runs `cases` in one torchrun launch of `world_size` processes; returns {name: [result per rank]}."""
+    arguments = [str(out_dir), json.dumps([dataclasses.asdict(case) for case in cases])]
+    torchrun(Path(__file__).resolve(), arguments, world_size, environment, timeout)
+    return load_results(cases, out_dir, world_size)
+
+
+def torchrun(script, arguments, world_size, environment=(), timeout=600):
+    """`torchrun --standalone` of a worker script from the repository root, tests/ and the root importable."""
     command = [
         sys.executable,
         "-m",
-        "torch.distributed.run",  # torchrun; --standalone picks a free port for the rendezvous
+        "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={world_size}",
-        str(Path(__file__).resolve()),
-        str(out_dir),
-        json.dumps([dataclasses.asdict(case) for case in cases]),
     ]
-    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    command += [str(script), *arguments]  # --standalone picks a free port for the rendezvous
+    python_path = os.pathsep.join(
+        filter(None, [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH")])
+    )
     env = {**os.environ, **dict(environment), "PYTHONPATH": python_path}
     completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if completed.returncode != 0:
         output = (completed.stdout + completed.stderr)[-8000:]
         raise RuntimeError(f"the worker exited with {completed.returncode}:\n{output}")
-    return load_results(cases, out_dir, world_size)
 
 
 def load_results(cases, out_dir, world_size):

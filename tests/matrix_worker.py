@@ -1,0 +1,202 @@
+"""One row of the feature matrix (tests/test_matrix.py): train.py's step under a backend, several processes.
+
+Each rank loads the row's tiny sentence-transformers model, prepares it with train.py's own flags
+(`train.parse_args`, `train.prepare_model`), wraps it as train.py does (`train.Towers` for a Router model)
+and runs NUM_STEPS optimizer steps of `train.gradient_cache_step` (the function train.py's loop calls) on
+its shard of the global batch of texts, with plain SGD so that every update is the gradient itself. It
+saves the losses gradcache reported and the trained weights. As a script it is what `launch` starts under
+torchrun; one launch runs the rows of one process count in sequence (DDP rows before DeepSpeed rows):
+
+    DS_ACCELERATOR=cpu PYTHONPATH=.:tests torchrun --standalone --nproc_per_node 2 \\
+        tests/matrix_worker.py OUT_DIR MODELS_JSON '[{"name": "...", "backend": "zero2", ...}]'
+"""
+
+import dataclasses
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+import torch
+from backend_worker import reset_accelerate_state, save_atomically
+
+NUM_STEPS = 3
+LEARNING_RATE = {"shared": 0.5, "towers": 0.5, "decoder": 0.02}  # SGD: each update is the gradient; the
+# decoder (a random Llama) diverges at 0.1, and a diverging run turns rounding into large differences
+PER_PROCESS_BATCH = 8
+UNEVEN_BATCHES = {2: [5, 11], 3: [4, 7, 13]}  # the same global batch, split unevenly over the ranks
+CHUNK_SIZE = 3  # divides no batch: the last chunk of every column is short
+CHUNK_TOKENS = 30  # two or three texts of 2-13 words: processes plan different numbers of chunks
+MATRYOSHKA_DIMS = (32, 16, 8)  # the tiny models are 32-dimensional
+COLUMNS = ("anchor", "positive", "negative_1")
+WORDS = [f"w{i}" for i in range(60)]
+SEED = 1234
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    backend: str  # "plain" (one process, no wrapper), "ddp", "zero1", "zero2", "zero3"
+    processes: int
+    chunking: str  # "size" (--chunk_size), "tokens" (--chunk_tokens), "uneven" (size, uneven batches)
+    model: str  # "shared" (a BERT), "towers" (Router: query and document BERTs), "decoder" (Llama)
+    loss: str  # "one-way", "symmetric", "matryoshka"
+    adapter: str  # "none", "lora", "checkpointing"
+    cross: bool  # --cross_process_negatives
+    tolerance: float = 1e-5  # max relative difference, losses and weight updates (fp32)
+
+    @property
+    def name(self):
+        cross = "cross" if self.cross else "local"
+        parts = (
+            self.backend,
+            f"{self.processes}proc",
+            self.chunking,
+            self.model,
+            self.loss,
+            self.adapter,
+            cross,
+        )
+        return "-".join(parts)
+
+
+def flags(row, model_folder):
+    """The command-line flags of train.py that the row stands for."""
+    chosen = ["--model", str(model_folder), "--data", "unused.jsonl", "--batch_size", 64]
+    chosen += ["--chunk_tokens", CHUNK_TOKENS] if row.chunking == "tokens" else ["--chunk_size", CHUNK_SIZE]
+    chosen += {"symmetric": ["--symmetric"], "one-way": []}.get(row.loss, [])
+    if row.loss == "matryoshka":
+        chosen += ["--matryoshka_dims", ",".join(map(str, MATRYOSHKA_DIMS))]
+    chosen += {"lora": ["--lora_r", 4], "checkpointing": ["--gradient_checkpointing"], "none": []}[
+        row.adapter
+    ]
+    chosen += ["--cross_process_negatives"] if row.cross else []
+    return [str(flag) for flag in chosen]
+
+
+def global_batches(row):
+    """NUM_STEPS global batches of texts, {column: texts}, 2-13 words each, every text distinct."""
+    rng = random.Random(f"{row.name}")
+    size = sum(batch_sizes(row))
+    return [
+        {
+            column: [
+                " ".join(rng.choices(WORDS, k=rng.randint(2, 13))) + f" {column[0]}{step}x{i}"
+                for i in range(size)
+            ]
+            for column in COLUMNS
+        }
+        for step in range(NUM_STEPS)
+    ]
+
+
+def batch_sizes(row):
+    return UNEVEN_BATCHES[row.processes] if row.chunking == "uneven" else [PER_PROCESS_BATCH] * row.processes
+
+
+def shard(batch, row, rank):
+    first = sum(batch_sizes(row)[:rank])
+    return {column: texts[first : first + batch_sizes(row)[rank]] for column, texts in batch.items()}
+
+
+def load_prepared(row, model_folder, device="cpu"):
+    """The model as train.py trains it: loaded, then prepared with the row's flags (LoRA seeded alike)."""
+    import train
+
+    args = train.parse_args(flags(row, model_folder))
+    model = train.load_model(args.model, device)
+    torch.manual_seed(SEED)  # LoRA's initial A
+    return train.prepare_model(model, args), args
+
+
+def trainable_weights(named_parameters):
+    return {name: p.detach().float().cpu().clone() for name, p in named_parameters if p.requires_grad}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The worker
+# ---------------------------------------------------------------------------------------------------------
+
+
+def accelerator_for(row):
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+
+    handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)]  # as train.py: the BERT pooler
+    if "LOCAL_RANK" in os.environ and not torch.cuda.is_available():
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    if row.backend.startswith("zero"):
+        config = {
+            "train_micro_batch_size_per_gpu": PER_PROCESS_BATCH,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": int(row.backend[-1])},
+            "zero_allow_untested_optimizer": True,  # plain SGD
+            "steps_per_print": 10**9,
+        }
+        return Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), kwargs_handlers=handlers)
+    return Accelerator(cpu=True, kwargs_handlers=handlers)
+
+
+def run_row(row, model_folder, out_dir):
+    import train
+
+    reset_accelerate_state()
+    accelerator = accelerator_for(row)
+    assert accelerator.num_processes == row.processes, (accelerator.num_processes, row)
+    model, args = load_prepared(row, model_folder, str(accelerator.device))
+    prompts = train.role_prompts(model)
+    trained = train.Towers(model, COLUMNS) if train.is_router(model) else model
+    optimizer = torch.optim.SGD(
+        [p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE[row.model]
+    )
+    engine, optimizer = accelerator.prepare(trained, optimizer)
+    engine.train()
+    chunking = {"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {"chunk_size": args.chunk_size}
+    loss_fn = train.loss_function(args, model)
+    losses, chunks = [], []
+    for batch in global_batches(row):
+        report = train.gradient_cache_step(
+            accelerator,
+            engine,
+            model,
+            prompts,
+            loss_fn,
+            args,
+            shard(batch, row, accelerator.process_index),
+            chunking,
+        )
+        optimizer.step()  # a no-op under DeepSpeed, which stepped inside the last accelerator.backward
+        optimizer.zero_grad()
+        losses.append(report.loss.item())
+        chunks.append(report.num_chunks)
+    if row.backend.startswith("zero"):
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        # A collective under ZeRO-3: every rank gathers; names without Towers' "model." prefix.
+        named = [(n.removeprefix("model."), p) for n, p in engine.module.named_parameters()]
+        weights = {n: safe_get_full_fp32_param(p).cpu().clone() for n, p in named if p.requires_grad}
+    else:
+        weights = trainable_weights(model.named_parameters())
+    result = {"losses": losses, "chunks": chunks, "weights": weights}
+    save_atomically(result, Path(out_dir) / f"{row.name}.rank{accelerator.process_index}.pt")
+    reset_accelerate_state()
+
+
+def main(out_dir, models_json, rows_json):
+    os.makedirs(out_dir, exist_ok=True)
+    models = json.loads(models_json)
+    for fields in json.loads(rows_json):
+        row = Row(**fields)
+        run_row(row, models[row.model], out_dir)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4:
+        sys.exit(f"usage: {sys.argv[0]} OUT_DIR MODELS_JSON ROWS_JSON (see the module docstring)")
+    main(*sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # gloo's threads now and then abort the interpreter's teardown, after the results are saved

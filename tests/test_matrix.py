@@ -1,0 +1,205 @@
+"""The feature matrix: backends x processes x chunking x models x losses x adapters x cross-process negatives.
+
+Every row trains NUM_STEPS SGD steps through train.py's own step (`train.gradient_cache_step`, on a model
+prepared by train.py's flags; tests/matrix_worker.py) under its backend and process count, on CPU (gloo,
+DeepSpeed's CPU accelerator), and is compared with a reference that shares none of our code:
+sentence-transformers' own loss (MultipleNegativesRankingLoss, its symmetric form, MatryoshkaLoss) on the
+whole global batch in one process, unchunked, dropout off, plain autograd and SGD. Without cross-process
+negatives the reference is the mean of each rank's loss on its own shard (what DDP and DeepSpeed average).
+Both the reported losses and the weight updates after the last step must agree to the row's tolerance.
+
+The rows are a pairwise covering: every pair of values of two dimensions appears in some row
+(`test_rows_cover_every_pair`), except pairs that cannot exist: "plain" runs one process, DDP two or more,
+and uneven batch sizes need two processes or more. The first three rows are the defects that issue 15
+found in combinations (a crash, silently wrong weights, a crash). This table is the list of what is
+supported together; the README points here.
+
+    .venv/bin/python -m pytest -q tests/test_matrix.py
+"""
+
+import dataclasses
+import itertools
+import json
+
+import pytest
+import torch
+from backend_worker import torchrun
+from matrix_worker import (
+    COLUMNS,
+    LEARNING_RATE,
+    MATRYOSHKA_DIMS,
+    Row,
+    global_batches,
+    load_prepared,
+    shard,
+    trainable_weights,
+)
+from test_train import build_tiny_model
+
+DIMENSIONS = {
+    "backend": ("plain", "ddp", "zero1", "zero2", "zero3"),
+    "processes": (1, 2, 3),
+    "chunking": ("size", "tokens", "uneven"),
+    "model": ("shared", "towers", "decoder"),
+    "loss": ("one-way", "symmetric", "matryoshka"),
+    "adapter": ("none", "lora", "checkpointing"),
+    "cross": (False, True),
+}
+
+# fmt: off
+ROWS = [Row(*fields) for fields in [
+    # backend  procs  chunking  model      loss          adapter          cross
+    ("zero2",  2,     "tokens", "shared",  "one-way",    "none",          False),  # crashed: plans differed
+    ("zero3",  2,     "tokens", "towers",  "one-way",    "none",          False),  # stale query-tower grads
+    ("ddp",    2,     "size",   "towers",  "one-way",    "none",          False),  # "marked ready twice"
+    ("plain",  1,     "size",   "shared",  "matryoshka", "checkpointing", True),
+    ("zero1",  2,     "uneven", "decoder", "symmetric",  "lora",          True),
+    ("ddp",    3,     "tokens", "decoder", "matryoshka", "checkpointing", False),
+    ("plain",  1,     "tokens", "towers",  "symmetric",  "lora",          False),
+    ("zero2",  3,     "uneven", "towers",  "one-way",    "checkpointing", True),
+    ("zero3",  3,     "size",   "shared",  "symmetric",  "lora",          True),
+    ("zero1",  1,     "size",   "decoder", "one-way",    "none",          False),
+    ("ddp",    2,     "uneven", "shared",  "matryoshka", "none",          True),
+    ("zero1",  2,     "tokens", "towers",  "matryoshka", "checkpointing", True),
+    ("zero2",  1,     "size",   "decoder", "matryoshka", "lora",          True),
+    ("zero3",  2,     "uneven", "decoder", "matryoshka", "checkpointing", False),
+    ("zero1",  3,     "tokens", "shared",  "symmetric",  "none",          False),
+    ("plain",  1,     "tokens", "decoder", "one-way",    "lora",          False),
+    ("zero3",  1,     "tokens", "decoder", "symmetric",  "checkpointing", False),
+    ("ddp",    2,     "uneven", "decoder", "symmetric",  "lora",          True),
+    ("plain",  1,     "size",   "decoder", "symmetric",  "none",          True),
+    ("zero2",  1,     "tokens", "towers",  "symmetric",  "none",          False),
+]]
+# fmt: on
+MODEL_KINDS = {"shared": "mean", "towers": "router", "decoder": "decoder"}
+
+
+def possible(values):
+    """Whether values of some dimensions can meet in a run."""
+    backend, processes, chunking = (values.get(k) for k in ("backend", "processes", "chunking"))
+    if processes is not None and (backend, processes == 1) in {("plain", False), ("ddp", True)}:
+        return False
+    return not (chunking == "uneven" and (processes == 1 or backend == "plain"))
+
+
+def test_rows_cover_every_pair():
+    needed = {
+        (a, x, b, y)
+        for a, b in itertools.combinations(DIMENSIONS, 2)
+        for x in DIMENSIONS[a]
+        for y in DIMENSIONS[b]
+        if possible({a: x, b: y})
+    }
+    rows = [dataclasses.asdict(row) for row in ROWS]
+    assert all(possible(row) for row in rows)
+    covered = {(a, row[a], b, row[b]) for row in rows for a, b in itertools.combinations(DIMENSIONS, 2)}
+    assert needed <= covered, sorted(needed - covered)
+    assert len({row.name for row in ROWS}) == len(ROWS)
+
+
+@pytest.fixture(scope="module")
+def model_folders(tmp_path_factory):
+    return {
+        name: str(build_tiny_model(tmp_path_factory.mktemp(name), dropout=0.0, kind=kind))
+        for name, kind in MODEL_KINDS.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, model_folders):
+    """results_of(row) -> every rank's result; the rows of one process count run in one torchrun launch
+    (DDP and plain rows before DeepSpeed ones: accelerate keeps DeepSpeed switched on once it was used)."""
+    done = {}
+
+    def results_of(row):
+        if row.processes not in done:
+            rows = sorted(
+                (r for r in ROWS if r.processes == row.processes), key=lambda r: r.backend.startswith("zero")
+            )
+            out_dir = tmp_path_factory.mktemp(f"matrix{row.processes}")
+            arguments = [str(out_dir), json.dumps(model_folders)]
+            arguments.append(json.dumps([{k: v for k, v in dataclasses.asdict(r).items()} for r in rows]))
+            environment = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+            try:
+                torchrun("tests/matrix_worker.py", arguments, row.processes, environment, timeout=900)
+                done[row.processes] = out_dir
+            except Exception as error:
+                done[row.processes] = error
+        if isinstance(done[row.processes], Exception):
+            raise done[row.processes]
+        return [torch.load(done[row.processes] / f"{row.name}.rank{r}.pt") for r in range(row.processes)]
+
+    return results_of
+
+
+def sentence_transformers_loss(row, model):
+    from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss, MultipleNegativesRankingLoss
+
+    if row.loss == "symmetric":
+        return MultipleNegativesRankingLoss(
+            model, directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"
+        )
+    if row.loss == "matryoshka":
+        return MatryoshkaLoss(model, MultipleNegativesRankingLoss(model), list(MATRYOSHKA_DIMS))
+    return MultipleNegativesRankingLoss(model)
+
+
+def reference_run(row, model_folder):
+    """Losses of each rank at each step, and the trained weights: one process, the global batch, unchunked."""
+    model, _ = load_prepared(row, model_folder)
+    model.train()
+    loss_module = sentence_transformers_loss(row, model)
+    optimizer = torch.optim.SGD(
+        [p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE[row.model]
+    )
+    losses = [[] for _ in range(row.processes)]
+    for batch in global_batches(row):
+        parts = [batch] if row.cross else [shard(batch, row, rank) for rank in range(row.processes)]
+        part_losses = []
+        for part in parts:
+            features = [
+                model.preprocess(part[column], task="query" if column == "anchor" else "document")
+                for column in COLUMNS
+            ]
+            part_losses.append(loss_module(features, labels=None))
+        for rank in range(row.processes):
+            losses[rank].append(part_losses[0 if row.cross else rank].item())
+        optimizer.zero_grad()
+        torch.stack(part_losses).mean().backward()
+        optimizer.step()
+    return losses, trainable_weights(model.named_parameters())
+
+
+def relative_update_difference(weights, expected, start):
+    """max|update - expected update| / max|expected update|, each max over every trainable parameter.
+
+    One denominator for the whole model: a weight of magnitude 0.3 rounds at 3e-8 in fp32 whatever its
+    update, so a tensor that moved little (LoRA's A, whose B starts at zero) would turn that rounding into a
+    large ratio of its own. A lost chunk, tower or process moves whole tensors by a share of the update.
+    """
+    assert sorted(weights) == sorted(expected), sorted(set(weights) ^ set(expected))
+    largest_update = max(float((expected[name] - start[name]).abs().max()) for name in expected)
+    return max(float((weights[name] - expected[name]).abs().max()) for name in expected) / largest_update
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda row: row.name)
+def test_row_matches_sentence_transformers_on_the_global_batch(row, runs, model_folders):
+    ranks = runs(row)
+    expected_losses, expected_weights = reference_run(row, model_folders[row.model])
+    start = load_prepared(row, model_folders[row.model])[0]
+    start = trainable_weights(start.named_parameters())
+    loss_difference = max(
+        abs(a - e) / abs(e)
+        for rank, run in enumerate(ranks)
+        for a, e in zip(run["losses"], expected_losses[rank], strict=True)
+    )
+    update_difference = max(
+        relative_update_difference(run["weights"], expected_weights, start) for run in ranks
+    )
+    print(
+        f"{row.name}: loss {loss_difference:.1e}, update {update_difference:.1e}, chunks {ranks[0]['chunks']}"
+    )
+    assert loss_difference <= row.tolerance
+    assert update_difference <= row.tolerance
+    # Every rank ran the same number of chunk passes per step: the collectives of ZeRO-2/3 line up.
+    assert len({tuple(run["chunks"]) for run in ranks}) == 1
