@@ -149,7 +149,7 @@ add("--lr", type=float, default=2e-4, help="AdamW peak learning rate")
 add("--weight_decay", type=float, default=0.01)
 add("--lr_schedule", choices=["linear", "cosine"], default="linear", help="decay after the warmup")
 add("--warmup_ratio", type=float, default=0.1, help="fraction of the steps spent warming up")
-add("--max_grad_norm", type=float, default=1.0, help="gradient clipping, DeepSpeed included")
+add("--max_grad_norm", type=float, default=1.0, help="gradient clipping, DeepSpeed included; 0: none")
 add("--epochs", type=int, default=1)
 add("--max_steps", type=int, default=0, help="optimizer steps; overrides --epochs when > 0")
 add("--seed", type=int, default=42)
@@ -198,6 +198,8 @@ def parse_args(argv=None):
     for name in ("eval_steps", "log_steps", "save_steps", "save_total_limit", "max_steps"):
         if getattr(args, name) < 0:
             parser.error(f"--{name} must be 0 (off) or more, got {getattr(args, name)}.")
+    if not args.max_grad_norm >= 0:  # NaN included
+        parser.error(f"--max_grad_norm must be 0 (no clipping) or more, got {args.max_grad_norm}.")
     if args.chunk_size is not None and args.chunk_size > args.batch_size:
         parser.error(
             f"--chunk_size {args.chunk_size} is larger than --batch_size {args.batch_size}: a chunk is part "
@@ -803,7 +805,7 @@ class Progress:
 
 
 def make_accelerator(args, output_dir):
-    # DeepSpeed clips by its JSON, where "auto" becomes this variable (accelerate's DeepSpeedPlugin).
+    # DeepSpeed clips by its JSON, where "auto" becomes this variable (accelerate's DeepSpeedPlugin); 0: none.
     os.environ.setdefault("ACCELERATE_GRADIENT_CLIPPING", str(args.max_grad_norm))
     launched_distributed = "LOCAL_RANK" in os.environ  # set by torchrun and the DeepSpeed launcher
     accelerator = Accelerator(
@@ -920,7 +922,8 @@ def clip_and_step(accelerator, engine, optimizer, max_grad_norm, loss_scaled, st
     step() and update() always run. Under DeepSpeed the step already happened inside the last backward,
     and only its norm and its own skip are read here.
     """
-    grad_norm = accelerator.clip_grad_norm_(engine.parameters(), max_grad_norm)
+    # --max_grad_norm 0 is no clipping, as DeepSpeed reads it; torch's clipping would zero every gradient.
+    grad_norm = accelerator.clip_grad_norm_(engine.parameters(), max_grad_norm or math.inf)
     infinite = grad_norm is not None and not math.isfinite(grad_norm)
     nonfinite = infinite and not loss_scaled
     if not nonfinite:

@@ -408,6 +408,19 @@ def test_a_bad_data_file_stops_the_launch_before_training(tmp_path, data, model_
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_max_grad_norm_0_trains_unclipped_and_logs_the_norm(tmp_path, data, model_without_dropout):
+    """0 is no clipping, as DeepSpeed reads it: torch's clipping to 0 zeroed every gradient, so the weights
+    stayed put (no weight decay here) while the log showed the norm."""
+    launch(
+        CONFIGS / "cpu.yaml", tmp_path, "--model", model_without_dropout, "--data", data[0],
+        "--batch_size", 8, "--chunk_size", 4, "--max_steps", 2, "--lr", 1e-3, "--weight_decay", 0,
+        "--max_grad_norm", 0, "--save_steps", 0, "--wandb_mode", "disabled",
+    )  # fmt: skip
+    norms = [value for _, value in logged_scalars(tmp_path)["train/grad_norm"]]
+    assert len(norms) == 2 and all(0 < norm < float("inf") for norm in norms)
+    assert max_difference(weights(tmp_path / "final"), weights(model_without_dropout)) > 1e-4
+
+
 def test_deepspeed_refuses_gradient_accumulation_before_training(tmp_path, data, model_without_dropout):
     common = ("--model", model_without_dropout, "--data", data[0], "--wandb_mode", "disabled")
     done = launch(
@@ -441,6 +454,13 @@ def test_argument_errors_say_what_to_do(capsys):
         capsys, lambda: train.parse_args(["--save_steps", "-1"]), "--save_steps must be 0 (off) or more"
     )
     assert train.parse_args(["--eval_steps", "0", "--log_steps", "0", "--save_steps", "0"]).save_steps == 0
+
+
+def test_max_grad_norm_and_max_bad_steps_are_validated(capsys):
+    fails_with(
+        capsys, lambda: train.parse_args(["--max_grad_norm", "-1"]), "--max_grad_norm must be 0 (no clipping)"
+    )
+    assert train.parse_args(["--max_grad_norm", "0"]).max_grad_norm == 0
 
 
 @pytest.mark.parametrize(
