@@ -200,6 +200,11 @@ def parse_args(argv=None):
             parser.error(f"--{name} must be 0 (off) or more, got {getattr(args, name)}.")
     if not args.max_grad_norm >= 0:  # NaN included
         parser.error(f"--max_grad_norm must be 0 (no clipping) or more, got {args.max_grad_norm}.")
+    if args.max_bad_steps < 1:
+        parser.error(
+            f"--max_bad_steps {args.max_bad_steps}: the run stops after that many non-finite steps in a row, "
+            "so it must be at least 1 (default 5; a large number keeps going)."
+        )
     if args.chunk_size is not None and args.chunk_size > args.batch_size:
         parser.error(
             f"--chunk_size {args.chunk_size} is larger than --batch_size {args.batch_size}: a chunk is part "

@@ -461,6 +461,9 @@ def test_max_grad_norm_and_max_bad_steps_are_validated(capsys):
         capsys, lambda: train.parse_args(["--max_grad_norm", "-1"]), "--max_grad_norm must be 0 (no clipping)"
     )
     assert train.parse_args(["--max_grad_norm", "0"]).max_grad_norm == 0
+    # 0 stopped the run after a good first step, calling it the last of 0 bad steps in a row
+    fails_with(capsys, lambda: train.parse_args(["--max_bad_steps", "0"]), "must be at least 1", "default 5")
+    assert train.parse_args(["--max_bad_steps", "1"]).max_bad_steps == 1
 
 
 @pytest.mark.parametrize(
