@@ -508,8 +508,10 @@ def build_evaluator(dev, num_queries, prompts=None):
         batch_size=128,
         name="dev",
         write_csv=False,
-        query_prompt=(prompts or {}).get("query"),
-        corpus_prompt=(prompts or {}).get("document"),
+        # "" for none: given None, the evaluator would fall back to the model's own prompt, which training,
+        # given None, leaves out
+        query_prompt=(prompts or {}).get("query") or "",
+        corpus_prompt=(prompts or {}).get("document") or "",
     )
 
 

@@ -121,7 +121,37 @@ def test_model_prompts_are_the_default_and_flags_override(tmp_path):
     assert train.role_prompts(model, "", "w5 ") == {"query": None, "document": "w5 "}
     dev = datasets.Dataset.from_dict({"anchor": ["w7"], "positive": ["w8"]})
     evaluator = train.build_evaluator(dev, 1, {"query": "w1 "})
-    assert evaluator.query_prompt == "w1 " and evaluator.corpus_prompt is None
+    assert evaluator.query_prompt == "w1 " and evaluator.corpus_prompt == ""  # "" is no prompt, None its own
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--query_prompt", "", "--document_prompt", ""], ["--query_prompt", "w5 "]],
+    ids=["model-prompts", "prompts-off", "query-prompt-given"],
+)
+def test_the_evaluator_encodes_with_the_prompts_of_training(tmp_path, flags):
+    """The dev evaluation embeds queries and corpus as training embeds anchors and documents. The bug: with
+    the prompts switched off ("") the evaluator, given None, used the model's own."""
+    folder = build_tiny_model(tmp_path, dropout=0.0)
+    config = json.loads((folder / "config_sentence_transformers.json").read_text())
+    config["prompts"] = {"query": "w1 ", "document": "w2 "}
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(config))
+    model, args = trained_as(folder, flags)
+    model.eval()
+    prompts = train.role_prompts(model, args.query_prompt, args.document_prompt)
+    texts = ["w7 w8 w9", "w10"]
+    evaluator = train.build_evaluator(
+        datasets.Dataset.from_dict({"anchor": texts, "positive": texts}), 2, prompts
+    )
+    for column, task, prompt in (
+        ("anchor", "query", evaluator.query_prompt),
+        ("positive", "document", evaluator.corpus_prompt),
+    ):
+        # sentence-transformers' own path: encode_query / encode_document with the evaluator's prompt
+        evaluated = evaluator.embed_inputs(model, texts, encode_fn_name=task, prompt=prompt)
+        with torch.no_grad():
+            trained = model(train.tokenize(model, texts, column, prompts))["sentence_embedding"]
+        assert torch.allclose(evaluated.cpu(), trained, atol=1e-6), (task, prompt)
 
 
 # ---------------------------------------------------------------------------------------------------------
