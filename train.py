@@ -70,6 +70,7 @@ def check_versions(minimums=MINIMUM_VERSIONS):
 check_versions()
 
 import datasets
+import pandas
 import psutil
 import torch
 from accelerate import Accelerator, DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
@@ -429,7 +430,10 @@ def load_pairs(source, mapping, skip_bad_records=False, max_text_chars=20_000):
         numbered = ((f"line {number}", record) for number, record in json_lines(path))
         return keep_good_records(source, numbered, mapping, skip_bad_records, max_text_chars)
     try:
-        if file_format:
+        if file_format == "csv":  # every field as written: pandas guessed "007" 7, "1e3" 1000, "NA" missing
+            table = pandas.read_csv(path, dtype=str, keep_default_na=False)
+            dataset = datasets.Dataset.from_pandas(table, preserve_index=False)
+        elif file_format:
             dataset = datasets.load_dataset(file_format, data_files=str(path), split="train")
         else:
             name, _, split = source.partition(":")
@@ -440,8 +444,6 @@ def load_pairs(source, mapping, skip_bad_records=False, max_text_chars=20_000):
             f"{source} could not be read as {kind} ({type(err).__name__}: {err}). Check or convert the file."
         )
     require_fields(role_fields(mapping, dataset.column_names), dataset.column_names, source)
-    if file_format == "csv":  # pandas guesses numbers; a text column that looks numeric is still text
-        dataset = dataset.cast(datasets.Features({f: datasets.Value("string") for f in dataset.column_names}))
     numbered = ((f"record {i}", record) for i, record in enumerate(dataset, 1))
     return keep_good_records(source, numbered, mapping, skip_bad_records, max_text_chars)
 

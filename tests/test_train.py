@@ -519,6 +519,16 @@ def test_csv_and_parquet_load_with_a_column_mapping(tmp_path, capsys):
     fails_with(capsys, lambda: train.load_pairs(str(tmp_path / "missing.csv"), mapping), "does not exist")
 
 
+def test_csv_fields_are_texts_as_written(tmp_path):
+    """Read as text, not parsed: pandas made "007" 7, "1e3" 1000.0 and "NA" an empty field."""
+    (tmp_path / "numeric.csv").write_text("anchor,positive\n007,1e3\n42,2.50\n")
+    loaded, _ = train.load_pairs(str(tmp_path / "numeric.csv"), train.parse_columns(""))
+    assert loaded.to_dict() == {"anchor": ["007", "42"], "positive": ["1e3", "2.50"]}
+    (tmp_path / "missing.csv").write_text("anchor,positive,negative\nNA,null,n/a\n")
+    loaded, _ = train.load_pairs(str(tmp_path / "missing.csv"), train.parse_columns(""))
+    assert loaded[0] == {"anchor": "NA", "positive": "null", "negative_1": "n/a"}
+
+
 def test_model_and_checkpoint_errors(tmp_path, capsys):
     fails_with(
         capsys, lambda: train.load_model(str(tmp_path / "nowhere"), "cpu"), "no such directory", "--model"
