@@ -112,7 +112,8 @@ add("--gradient_checkpointing", action="store_true", help="recompute each chunk'
 add(
     "--data",
     default=DEFAULT_TRAIN,
-    help="a .jsonl[.gz], .csv or .parquet file, or a hub data set name[:split]",
+    help="a .jsonl[.gz], .json (JSON lines or an array of records), .csv or .parquet file, or a hub data set "
+    "name[:split]",
 )
 add(
     "--dev_data",
@@ -371,9 +372,42 @@ def json_lines(path):
             except json.JSONDecodeError as err:
                 yield number, f"is not valid JSON ({err.msg}, column {err.colno})"
                 continue
-            if not isinstance(record, dict):
-                record = f"is a JSON {type(record).__name__}, not an object with named fields"
-            yield number, record
+            yield number, json_record(record)
+
+
+def json_record(value):
+    """A parsed JSON value as a record, or what is wrong with it."""
+    if isinstance(value, dict):
+        return value
+    return f"is a JSON {type(value).__name__}, not an object with named fields"
+
+
+def json_file(path):
+    """(place, record or what is wrong) for a .json[.gz] file: one JSON array of records ("record N"), else
+    JSON lines ("line N"). One JSON value over several lines that is no array stops the run."""
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as file:
+        raw = file.read()
+    text = raw.decode("utf-8", errors="replace")  # strictly decoded below, or by json_lines line by line
+    expected = (
+        'Write a JSON array of records, [{"anchor": ..., "positive": ...}, ...], or JSON lines, one record '
+        "per line."
+    )
+    if text.lstrip().startswith("["):
+        try:
+            records = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            fail(f"{path} is not valid UTF-8 (byte {raw[err.start]:#04x} at offset {err.start}): save it so.")
+        except json.JSONDecodeError as err:
+            fail(f"{path} is not valid JSON ({err.msg}, line {err.lineno}, column {err.colno}). {expected}")
+        return ((f"record {i}", json_record(record)) for i, record in enumerate(records, 1))
+    if sum(1 for line in text.splitlines() if line.strip()) > 1:
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError:  # several values (JSON lines), or a bad line that json_lines names
+            pass
+        else:
+            fail(f"{path} holds one JSON {type(whole).__name__} over several lines, not records. {expected}")
+    return ((f"line {number}", record) for number, record in json_lines(path))
 
 
 def keep_good_records(source, numbered, mapping, skip_bad_records, max_text_chars):
@@ -421,13 +455,18 @@ def as_list(value):
 
 
 def load_pairs(source, mapping, skip_bad_records=False, max_text_chars=20_000):
-    """Local JSONL (read here, line by line), CSV or Parquet, or a hub data set (read by datasets)."""
+    """Local JSONL or JSON (read here: line by line, or one array of records), CSV or Parquet, or a hub data
+    set (read by datasets)."""
     path = Path(source)
-    file_format = FILE_FORMATS.get(next((s for s in reversed(path.suffixes) if s != ".gz"), ""))
+    suffix = next((s for s in reversed(path.suffixes) if s != ".gz"), "")
+    file_format = FILE_FORMATS.get(suffix)
     if file_format and not path.is_file():
         fail(f"data file {source} does not exist. Check the path (relative paths start where you launch).")
     if file_format == "json":
-        numbered = ((f"line {number}", record) for number, record in json_lines(path))
+        if suffix == ".json":
+            numbered = json_file(path)
+        else:
+            numbered = ((f"line {number}", record) for number, record in json_lines(path))
         return keep_good_records(source, numbered, mapping, skip_bad_records, max_text_chars)
     try:
         if file_format == "csv":  # every field as written: pandas guessed "007" 7, "1e3" 1000, "NA" missing

@@ -5,6 +5,7 @@ the resumed, unchunked and DeepSpeed runs must reproduce. The validation helpers
 in-process, where a launch would add nothing but start-up time.
 """
 
+import functools
 import gzip
 import json
 import os
@@ -487,6 +488,47 @@ def test_json_lines_errors_name_the_line(tmp_path, capsys, line, fragments):
     with gzip.open(path, "wt") as file:  # gzipped, as the bundled data
         file.write('{"anchor": "x", "positive": "y", "negative": "z"}\n' + line + "\n")
     fails_with(capsys, lambda: train.load_pairs(str(path), train.parse_columns("")), str(path), *fragments)
+
+
+def test_a_json_file_is_an_array_of_records_or_json_lines(tmp_path, capsys):
+    rows = [{"anchor": f"a{i}", "positive": f"p{i}", "negative": f"n{i}"} for i in range(3)]
+    (tmp_path / "array.json").write_text(
+        json.dumps(rows, indent=2)
+    )  # read as JSON lines, it failed on line 1
+    write_rows(tmp_path / "lines.json", rows)
+    with gzip.open(tmp_path / "array.json.gz", "wt") as file:
+        json.dump(rows, file)
+    for name in ("array.json", "lines.json", "array.json.gz"):
+        loaded, _ = train.load_pairs(str(tmp_path / name), train.parse_columns(""))
+        assert loaded.to_list() == [
+            {"anchor": r["anchor"], "positive": r["positive"], "negative_1": r["negative"]} for r in rows
+        ]
+
+    # An array is checked record by record, as JSON lines are line by line.
+    bad = [rows[0], {**rows[1], "positive": " "}, ["a2", "p2"]]
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    load_bad = functools.partial(train.load_pairs, str(tmp_path / "bad.json"), train.parse_columns(""))
+    fails_with(capsys, load_bad, "bad.json, record 2 has field 'positive' empty", "--skip_bad_records")
+    loaded, skipped = load_bad(skip_bad_records=True)
+    assert len(loaded) == 1 and skipped == 2
+    assert "record 2 has field 'positive' empty" in capsys.readouterr().out
+
+    # Any other shape: what a .json file should hold
+    (tmp_path / "object.json").write_text(json.dumps({"data": rows}, indent=2))
+    fails_with(
+        capsys,
+        lambda: train.load_pairs(str(tmp_path / "object.json"), train.parse_columns("")),
+        "holds one JSON dict over several lines",
+        "JSON array of records",
+        "JSON lines",
+    )
+    (tmp_path / "broken.json").write_text(json.dumps(rows, indent=2)[:-2])
+    fails_with(
+        capsys,
+        lambda: train.load_pairs(str(tmp_path / "broken.json"), train.parse_columns("")),
+        "broken.json is not valid JSON (",
+        "JSON array of records",
+    )
 
 
 def test_csv_and_parquet_load_with_a_column_mapping(tmp_path, capsys):
