@@ -493,14 +493,18 @@ class NoDuplicatesOrder(torch.utils.data.Sampler):
 
     A flat sampler, not a batch sampler: the DataLoader then keeps a `batch_size`, which accelerate needs to
     shard batches over processes and to fill DeepSpeed's "auto" micro-batch size.
+
+    `group` batches in a row hold no text twice together: with cross-process negatives the contrastive
+    batch of a step is the batches of all processes, which accelerate deals out as consecutive batches of
+    this order (process i takes batches i, i + P, ...).
     """
 
-    def __init__(self, dataset, batch_size, seed):
+    def __init__(self, dataset, batch_size, seed, group=1):
         self.examples = PositiveDraws(dataset, seed)  # what the DataLoader reads: one positive per example
         self.batches = NoDuplicatesBatchSampler(
-            self.examples, batch_size, True, generator=torch.Generator(), seed=seed
+            self.examples, batch_size * group, True, generator=torch.Generator(), seed=seed
         )
-        self.batch_size = batch_size
+        self.batch_size = batch_size * group
 
     def set_epoch(self, epoch):  # called by accelerate's DataLoaderShard.set_epoch
         self.examples.epoch = epoch
@@ -894,8 +898,9 @@ def load_data(args, accelerator):
     return train_data, dev_data, skipped_records
 
 
-def make_loader(train_data, args):
-    sampler = NoDuplicatesOrder(train_data, args.batch_size, args.seed)
+def make_loader(train_data, args, processes):
+    group = processes if args.cross_process_negatives else 1  # the batches contrasted together
+    sampler = NoDuplicatesOrder(train_data, args.batch_size, args.seed, group)
     # Its own generator: by default every new iterator draws a seed from the global RNG, so a resumed run
     # (one iterator more) would draw other dropout masks than an uninterrupted one.
     return torch.utils.data.DataLoader(
@@ -906,9 +911,10 @@ def make_loader(train_data, args):
 def derive_numbers(args, accelerator, loader, train_data, skipped_records):
     """The numbers a run is read by, printed and logged once."""
     if len(loader) == 0:
+        together = " (together: --cross_process_negatives)" if args.cross_process_negatives else ""
         fail(
             f"{len(train_data)} examples make no batch of {args.batch_size} distinct texts for each of "
-            f"{accelerator.num_processes} processes. Lower --batch_size or add data."
+            f"{accelerator.num_processes} processes{together}. Lower --batch_size or add data."
         )
     steps_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
     processes = accelerator.num_processes
@@ -1064,7 +1070,9 @@ def main(args):
     evaluator = build_evaluator(dev_data, args.dev_queries, prompts) if dev_data and args.eval_steps else None
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapter only
     adamw = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
-    engine, optimizer, loader = accelerator.prepare(model, adamw, make_loader(train_data, args))
+    engine, optimizer, loader = accelerator.prepare(
+        model, adamw, make_loader(train_data, args, accelerator.num_processes)
+    )
     derived = derive_numbers(args, accelerator, loader, train_data, skipped_records)
     total_steps = derived["total_steps"]
     # Not prepared: accelerate steps a prepared scheduler once per process under DDP and hands it to DeepSpeed

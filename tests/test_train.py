@@ -618,6 +618,58 @@ def test_batches_hold_no_duplicate_texts_and_follow_seed_and_epoch():
     assert epoch_batches(0, 1) != epoch_batches(0, 0) != epoch_batches(1, 0)
 
 
+def test_cross_process_negatives_keep_the_global_batch_free_of_duplicates():
+    """The loader as train.py builds it and accelerate shards it over 4 processes: with
+    --cross_process_negatives the contrastive batch of a step is the 4 local batches together, which must
+    hold no text twice (each process's own batch did not, their union did). Skipping batches, as a resumed
+    run does, replays the same order."""
+    import datasets
+    from accelerate.data_loader import prepare_data_loader, skip_first_batches
+
+    rng = random.Random(3)  # texts from small pools: batches drawn blindly would repeat some
+    documents = [rng.sample(range(150), 2) for _ in range(96)]
+    dataset = datasets.Dataset.from_dict(
+        {
+            "anchor": [f"q{rng.randrange(300)}" for _ in range(96)],
+            "positive": [f"d{positive}" for positive, _ in documents],
+            "negative_1": [f"d{negative}" for _, negative in documents],
+        }
+    )
+    processes = 4
+
+    def steps(cross_process_negatives, epoch):
+        """Each step's batches, one per process, and process 1's batches from its third on, as resumed."""
+        args = train.parse_args(
+            ["--model", "m", "--data", "x.jsonl", "--batch_size", "4", "--chunk_size", "2"]
+        )
+        args.cross_process_negatives = cross_process_negatives
+        loaders = [
+            prepare_data_loader(
+                train.make_loader(dataset, args, processes), num_processes=processes, process_index=i
+            )
+            for i in range(processes)
+        ]
+        for loader in loaders:
+            loader.set_epoch(epoch)
+        local = [list(loader) for loader in loaders]
+        loaders[1].set_epoch(epoch)
+        assert list(skip_first_batches(loaders[1], 2)) == local[1][2:]
+        return list(zip(*local, strict=True))
+
+    def repeated_texts(batches):
+        texts = [text for batch in batches for column in batch.values() for text in column]
+        return len(texts) - len(set(texts))
+
+    for epoch in (0, 1):
+        together = steps(True, epoch)
+        assert len(together) == 6  # 96 examples, 16 a step
+        assert all(repeated_texts(step) == 0 for step in together)
+        assert together == steps(True, epoch)  # seeded
+        alone = steps(False, epoch)  # the control: each batch distinct, not the union
+        assert all(repeated_texts([batch]) == 0 for step in alone for batch in step)
+        assert sum(repeated_texts(step) for step in alone) > 0
+
+
 def test_evaluator_retrieves_each_query_positive_among_distinct_positives():
     import datasets
 
