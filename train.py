@@ -89,7 +89,15 @@ DEFAULT_TRAIN, DEFAULT_DEV = str(DATA_DIR / "wordnet_train.jsonl.gz"), str(DATA_
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 # A checkpoint written with other values of these would resume at another data position.
 MAP_YOURS = "Map yours with --columns, e.g. --columns anchor=question,positive=answer,negatives=neg1+neg2"
-RESUME_KEYS = ("data", "columns", "max_train_examples", "batch_size", "gradient_accumulation_steps", "seed")
+RESUME_KEYS = (
+    "data",
+    "columns",
+    "max_train_examples",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "seed",
+    "cross_process_negatives",  # it orders the batches of all processes together
+)
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 add = parser.add_argument

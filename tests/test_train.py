@@ -670,6 +670,14 @@ def test_cross_process_negatives_keep_the_global_batch_free_of_duplicates():
         assert sum(repeated_texts(step) for step in alone) > 0
 
 
+def test_resuming_with_cross_process_negatives_toggled_is_refused(tmp_path):
+    args = train.parse_args(["--model", "m", "--data", "x.jsonl", "--cross_process_negatives"])
+    state = {"processes": 2, "args": vars(args) | {"cross_process_negatives": False}}
+    (tmp_path / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(SystemExit, match="written with --cross_process_negatives False: the data order"):
+        train.resume_training(None, tmp_path, args, None, processes=2)
+
+
 def test_evaluator_retrieves_each_query_positive_among_distinct_positives():
     import datasets
 
