@@ -885,6 +885,7 @@ def make_accelerator(args, output_dir):
             DistributedDataParallelKwargs(find_unused_parameters=True),  # the BERT pooler gets no gradient
         ],
     )
+    check_launch(accelerator)
     if accelerator.distributed_type == DistributedType.DEEPSPEED and args.gradient_accumulation_steps > 1:
         fail(
             "--gradient_accumulation_steps > 1 under DeepSpeed: a skipped batch could not take back the "
@@ -892,6 +893,19 @@ def make_accelerator(args, output_dir):
             "instead: with Gradient Cache a bigger batch costs no more memory."
         )
     return accelerator
+
+
+def check_launch(accelerator):
+    """Stop at start where accelerate would not run the launch as meant."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and (
+        accelerator.distributed_type == DistributedType.NO or accelerator.num_processes != world_size
+    ):
+        fail(
+            f"launched as {world_size} processes, but accelerate runs them undistributed: each would train "
+            "alone and write final/. Without a GPU, launch with ACCELERATE_USE_CPU=true (see the comment in "
+            "accelerate_configs/cpu_ddp_2proc.yaml)."
+        )
 
 
 def load_data(args, accelerator):

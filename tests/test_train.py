@@ -422,6 +422,20 @@ def test_max_grad_norm_0_trains_unclipped_and_logs_the_norm(tmp_path, data, mode
     assert max_difference(weights(tmp_path / "final"), weights(model_without_dropout)) > 1e-4
 
 
+def test_an_undistributed_multi_process_launch_stops_at_start(tmp_path, data, model_without_dropout):
+    """cpu_ddp_2proc.yaml without ACCELERATE_USE_CPU=true on a machine without a GPU: accelerate runs every
+    process undistributed, each trained alone and wrote final/, while the run printed `processes: 2`."""
+    done = launch(
+        CONFIGS / "cpu_ddp_2proc.yaml", tmp_path, "--model", model_without_dropout, "--data", data[0],
+        "--batch_size", 8, "--chunk_size", 4, "--max_steps", 1, "--wandb_mode", "disabled",
+        processes=2, env={"ACCELERATE_USE_CPU": "false", "CUDA_VISIBLE_DEVICES": ""}, check=False,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "launched as 2 processes, but accelerate runs them undistributed" in done.stderr
+    assert "ACCELERATE_USE_CPU=true" in done.stderr
+    assert not (tmp_path / "final").exists()
+
+
 def test_deepspeed_refuses_gradient_accumulation_before_training(tmp_path, data, model_without_dropout):
     common = ("--model", model_without_dropout, "--data", data[0], "--wandb_mode", "disabled")
     done = launch(
