@@ -48,9 +48,12 @@ from pathlib import Path
 
 # Checked before importing them, so that an older version says so instead of failing on a missing name.
 MINIMUM_VERSIONS = {"torch": "2.5", "accelerate": "1.0", "sentence-transformers": "6.0"}
+# Before 1.8 accelerate's DeepSpeed wrapper (DeepSpeedEngineWrapper.backward) stepped the engine at every
+# backward, whatever sync_gradients said: every chunk would be an optimizer step.
+DEEPSPEED_VERSIONS = {"accelerate": "1.8"}
 
 
-def check_versions(minimums=MINIMUM_VERSIONS):
+def check_versions(minimums=MINIMUM_VERSIONS, needed_for=""):
     def numbers(version):
         return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
 
@@ -61,7 +64,7 @@ def check_versions(minimums=MINIMUM_VERSIONS):
             installed = None
         if installed is None or numbers(installed) < numbers(minimum):
             raise SystemExit(
-                f"train.py: error: it needs {package}>={minimum}, "
+                f"train.py: error: it needs {package}>={minimum}{needed_for}, "
                 f"{'not installed' if installed is None else f'found {installed}'}. "
                 f'Install a newer one: pip install "{package}>={minimum}"'
             )
@@ -897,6 +900,8 @@ def make_accelerator(args, output_dir):
 
 def check_launch(accelerator):
     """Stop at start where accelerate would not run the launch as meant."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        check_versions(DEEPSPEED_VERSIONS, " under DeepSpeed (older ones step the optimizer at every chunk)")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and (
         accelerator.distributed_type == DistributedType.NO or accelerator.num_processes != world_size

@@ -3,11 +3,13 @@ gradcache through train.py's own functions, data as public sets ship it, and tra
 """
 
 import functools
+import importlib.metadata
 import importlib.util
 import json
 import random
 import shutil
 import sys
+import types
 
 import datasets
 import pytest
@@ -210,6 +212,25 @@ def test_versions_and_the_bundled_model_fail_with_what_to_do(monkeypatch):
     with pytest.raises(SystemExit):
         train.parse_args([])
     assert train.parse_args(["--model", "m"]).model == "m"
+
+
+def test_deepspeed_needs_accelerate_1_8(monkeypatch):
+    """Older accelerate steps DeepSpeed's engine at every backward: every chunk an optimizer step."""
+    from accelerate import DistributedType
+
+    installed = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: "1.7.0" if name == "accelerate" else installed(name)
+    )
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    launched = types.SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=1)
+    with pytest.raises(
+        SystemExit, match=r'accelerate>=1.8 under DeepSpeed .* found 1.7.0.*"accelerate>=1.8"'
+    ):
+        train.check_launch(launched)
+    train.check_launch(types.SimpleNamespace(distributed_type=DistributedType.NO, num_processes=1))
+    monkeypatch.setattr(importlib.metadata, "version", installed)
+    train.check_launch(launched)  # the installed one (tested: 1.15)
 
 
 def test_the_two_files_train_alone_without_optional_packages(tmp_path):
