@@ -1093,7 +1093,11 @@ def main(args):
     check_matryoshka_dims(args.matryoshka_dims, model.get_embedding_dimension())
     prepare_model(model, args)  # its similarity, LoRA, gradient checkpointing
     prompts = role_prompts(model, args.query_prompt, args.document_prompt)
-    gradcache.check_examples_independent(model)
+    model.train()  # as trained: sentence-transformers loads in eval mode, where BatchNorm mixes no examples
+    try:
+        gradcache.check_examples_independent(model)
+    except ValueError as err:
+        fail(f"--model {args.model}: {err}")
     evaluator = build_evaluator(dev_data, args.dev_queries, prompts) if dev_data and args.eval_steps else None
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapter only
     adamw = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)

@@ -156,6 +156,49 @@ def test_the_evaluator_encodes_with_the_prompts_of_training(tmp_path, flags):
         assert torch.allclose(evaluated.cpu(), trained, atol=1e-6), (task, prompt)
 
 
+class BatchNormHead(torch.nn.Module):
+    """Normalizes the embeddings over the batch: a chunk would see other statistics than the whole batch."""
+
+    def __init__(self, dimension):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(dimension)
+
+    def forward(self, features):
+        features["sentence_embedding"] = self.norm(features["sentence_embedding"])
+        return features
+
+
+def test_a_model_with_batch_norm_is_refused_at_start(tmp_path, monkeypatch):
+    """Checked in eval mode, as sentence-transformers loads a model, BatchNorm passed: the run then failed
+    at the first step (gradcache_step checks the training engine) with a traceback."""
+    from accelerate.state import AcceleratorState
+
+    folder = build_tiny_model(tmp_path, dropout=0.0)
+    rows = [{"anchor": f"w{i}", "positive": f"w{i + 30}"} for i in range(16)]
+    data = write_rows(tmp_path / "train.jsonl", rows)
+    load_model = train.load_model
+
+    def with_batch_norm(name, device):
+        model = load_model(name, device)
+        model.append(BatchNormHead(model.get_embedding_dimension()).eval())  # in eval mode, as loaded
+        return model
+
+    monkeypatch.setattr(train, "load_model", with_batch_norm)
+    monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "1.0")  # what main() sets, undone after the test
+    args = train.parse_args(
+        ["--model", str(folder), "--data", str(data), "--output_dir", str(tmp_path / "run")]
+        + ["--batch_size", "8", "--chunk_size", "4", "--max_steps", "1", "--wandb_mode", "disabled"]
+    )
+    try:
+        with pytest.raises(
+            SystemExit, match=r"--model .*: Gradient Cache cannot be exact: 2.norm normalizes"
+        ):
+            train.main(args)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert not (tmp_path / "run").exists()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Data as it comes
 # ---------------------------------------------------------------------------------------------------------
