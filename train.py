@@ -407,7 +407,10 @@ def json_file(path):
         try:
             records = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as err:
-            fail(f"{path} is not valid UTF-8 (byte {raw[err.start]:#04x} at offset {err.start}): save it so.")
+            fail(
+                f"{path} is not valid UTF-8 (byte {raw[err.start]:#04x} at offset {err.start}). "
+                "Save it as UTF-8."
+            )
         except json.JSONDecodeError as err:
             fail(f"{path} is not valid JSON ({err.msg}, line {err.lineno}, column {err.colno}). {expected}")
         return ((f"record {i}", json_record(record)) for i, record in enumerate(records, 1))
