@@ -48,9 +48,12 @@ from pathlib import Path
 
 # Checked before importing them, so that an older version says so instead of failing on a missing name.
 MINIMUM_VERSIONS = {"torch": "2.5", "accelerate": "1.0", "sentence-transformers": "6.0"}
+# Before 1.8 accelerate's DeepSpeed wrapper (DeepSpeedEngineWrapper.backward) stepped the engine at every
+# backward, whatever sync_gradients said: every chunk would be an optimizer step.
+DEEPSPEED_VERSIONS = {"accelerate": "1.8"}
 
 
-def check_versions(minimums=MINIMUM_VERSIONS):
+def check_versions(minimums=MINIMUM_VERSIONS, needed_for=""):
     def numbers(version):
         return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
 
@@ -61,7 +64,7 @@ def check_versions(minimums=MINIMUM_VERSIONS):
             installed = None
         if installed is None or numbers(installed) < numbers(minimum):
             raise SystemExit(
-                f"train.py: error: it needs {package}>={minimum}, "
+                f"train.py: error: it needs {package}>={minimum}{needed_for}, "
                 f"{'not installed' if installed is None else f'found {installed}'}. "
                 f'Install a newer one: pip install "{package}>={minimum}"'
             )
@@ -70,6 +73,7 @@ def check_versions(minimums=MINIMUM_VERSIONS):
 check_versions()
 
 import datasets
+import pandas
 import psutil
 import torch
 from accelerate import Accelerator, DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
@@ -88,7 +92,15 @@ DEFAULT_TRAIN, DEFAULT_DEV = str(DATA_DIR / "wordnet_train.jsonl.gz"), str(DATA_
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 # A checkpoint written with other values of these would resume at another data position.
 MAP_YOURS = "Map yours with --columns, e.g. --columns anchor=question,positive=answer,negatives=neg1+neg2"
-RESUME_KEYS = ("data", "columns", "max_train_examples", "batch_size", "gradient_accumulation_steps", "seed")
+RESUME_KEYS = (
+    "data",
+    "columns",
+    "max_train_examples",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "seed",
+    "cross_process_negatives",  # it orders the batches of all processes together
+)
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 add = parser.add_argument
@@ -111,7 +123,8 @@ add("--gradient_checkpointing", action="store_true", help="recompute each chunk'
 add(
     "--data",
     default=DEFAULT_TRAIN,
-    help="a .jsonl[.gz], .csv or .parquet file, or a hub data set name[:split]",
+    help="a .jsonl[.gz], .json (JSON lines or an array of records), .csv or .parquet file, or a hub data set "
+    "name[:split]",
 )
 add(
     "--dev_data",
@@ -149,7 +162,7 @@ add("--lr", type=float, default=2e-4, help="AdamW peak learning rate")
 add("--weight_decay", type=float, default=0.01)
 add("--lr_schedule", choices=["linear", "cosine"], default="linear", help="decay after the warmup")
 add("--warmup_ratio", type=float, default=0.1, help="fraction of the steps spent warming up")
-add("--max_grad_norm", type=float, default=1.0, help="gradient clipping, DeepSpeed included")
+add("--max_grad_norm", type=float, default=1.0, help="gradient clipping, DeepSpeed included; 0: none")
 add("--epochs", type=int, default=1)
 add("--max_steps", type=int, default=0, help="optimizer steps; overrides --epochs when > 0")
 add("--seed", type=int, default=42)
@@ -198,6 +211,13 @@ def parse_args(argv=None):
     for name in ("eval_steps", "log_steps", "save_steps", "save_total_limit", "max_steps"):
         if getattr(args, name) < 0:
             parser.error(f"--{name} must be 0 (off) or more, got {getattr(args, name)}.")
+    if not args.max_grad_norm >= 0:  # NaN included
+        parser.error(f"--max_grad_norm must be 0 (no clipping) or more, got {args.max_grad_norm}.")
+    if args.max_bad_steps < 1:
+        parser.error(
+            f"--max_bad_steps {args.max_bad_steps}: the run stops after that many non-finite steps in a row, "
+            "so it must be at least 1 (default 5; a large number keeps going)."
+        )
     if args.chunk_size is not None and args.chunk_size > args.batch_size:
         parser.error(
             f"--chunk_size {args.chunk_size} is larger than --batch_size {args.batch_size}: a chunk is part "
@@ -363,9 +383,45 @@ def json_lines(path):
             except json.JSONDecodeError as err:
                 yield number, f"is not valid JSON ({err.msg}, column {err.colno})"
                 continue
-            if not isinstance(record, dict):
-                record = f"is a JSON {type(record).__name__}, not an object with named fields"
-            yield number, record
+            yield number, json_record(record)
+
+
+def json_record(value):
+    """A parsed JSON value as a record, or what is wrong with it."""
+    if isinstance(value, dict):
+        return value
+    return f"is a JSON {type(value).__name__}, not an object with named fields"
+
+
+def json_file(path):
+    """(place, record or what is wrong) for a .json[.gz] file: one JSON array of records ("record N"), else
+    JSON lines ("line N"). One JSON value over several lines that is no array stops the run."""
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as file:
+        raw = file.read()
+    text = raw.decode("utf-8", errors="replace")  # strictly decoded below, or by json_lines line by line
+    expected = (
+        'Write a JSON array of records, [{"anchor": ..., "positive": ...}, ...], or JSON lines, one record '
+        "per line."
+    )
+    if text.lstrip().startswith("["):
+        try:
+            records = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            fail(
+                f"{path} is not valid UTF-8 (byte {raw[err.start]:#04x} at offset {err.start}). "
+                "Save it as UTF-8."
+            )
+        except json.JSONDecodeError as err:
+            fail(f"{path} is not valid JSON ({err.msg}, line {err.lineno}, column {err.colno}). {expected}")
+        return ((f"record {i}", json_record(record)) for i, record in enumerate(records, 1))
+    if sum(1 for line in text.splitlines() if line.strip()) > 1:
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError:  # several values (JSON lines), or a bad line that json_lines names
+            pass
+        else:
+            fail(f"{path} holds one JSON {type(whole).__name__} over several lines, not records. {expected}")
+    return ((f"line {number}", record) for number, record in json_lines(path))
 
 
 def keep_good_records(source, numbered, mapping, skip_bad_records, max_text_chars):
@@ -413,16 +469,24 @@ def as_list(value):
 
 
 def load_pairs(source, mapping, skip_bad_records=False, max_text_chars=20_000):
-    """Local JSONL (read here, line by line), CSV or Parquet, or a hub data set (read by datasets)."""
+    """Local JSONL or JSON (read here: line by line, or one array of records), CSV or Parquet, or a hub data
+    set (read by datasets)."""
     path = Path(source)
-    file_format = FILE_FORMATS.get(next((s for s in reversed(path.suffixes) if s != ".gz"), ""))
+    suffix = next((s for s in reversed(path.suffixes) if s != ".gz"), "")
+    file_format = FILE_FORMATS.get(suffix)
     if file_format and not path.is_file():
         fail(f"data file {source} does not exist. Check the path (relative paths start where you launch).")
     if file_format == "json":
-        numbered = ((f"line {number}", record) for number, record in json_lines(path))
+        if suffix == ".json":
+            numbered = json_file(path)
+        else:
+            numbered = ((f"line {number}", record) for number, record in json_lines(path))
         return keep_good_records(source, numbered, mapping, skip_bad_records, max_text_chars)
     try:
-        if file_format:
+        if file_format == "csv":  # every field as written: pandas guessed "007" 7, "1e3" 1000, "NA" missing
+            table = pandas.read_csv(path, dtype=str, keep_default_na=False)
+            dataset = datasets.Dataset.from_pandas(table, preserve_index=False)
+        elif file_format:
             dataset = datasets.load_dataset(file_format, data_files=str(path), split="train")
         else:
             name, _, split = source.partition(":")
@@ -433,8 +497,6 @@ def load_pairs(source, mapping, skip_bad_records=False, max_text_chars=20_000):
             f"{source} could not be read as {kind} ({type(err).__name__}: {err}). Check or convert the file."
         )
     require_fields(role_fields(mapping, dataset.column_names), dataset.column_names, source)
-    if file_format == "csv":  # pandas guesses numbers; a text column that looks numeric is still text
-        dataset = dataset.cast(datasets.Features({f: datasets.Value("string") for f in dataset.column_names}))
     numbered = ((f"record {i}", record) for i, record in enumerate(dataset, 1))
     return keep_good_records(source, numbered, mapping, skip_bad_records, max_text_chars)
 
@@ -445,14 +507,18 @@ class NoDuplicatesOrder(torch.utils.data.Sampler):
 
     A flat sampler, not a batch sampler: the DataLoader then keeps a `batch_size`, which accelerate needs to
     shard batches over processes and to fill DeepSpeed's "auto" micro-batch size.
+
+    `group` batches in a row hold no text twice together: with cross-process negatives the contrastive
+    batch of a step is the batches of all processes, which accelerate deals out as consecutive batches of
+    this order (process i takes batches i, i + P, ...).
     """
 
-    def __init__(self, dataset, batch_size, seed):
+    def __init__(self, dataset, batch_size, seed, group=1):
         self.examples = PositiveDraws(dataset, seed)  # what the DataLoader reads: one positive per example
         self.batches = NoDuplicatesBatchSampler(
-            self.examples, batch_size, True, generator=torch.Generator(), seed=seed
+            self.examples, batch_size * group, True, generator=torch.Generator(), seed=seed
         )
-        self.batch_size = batch_size
+        self.batch_size = batch_size * group
 
     def set_epoch(self, epoch):  # called by accelerate's DataLoaderShard.set_epoch
         self.examples.epoch = epoch
@@ -501,8 +567,10 @@ def build_evaluator(dev, num_queries, prompts=None):
         batch_size=128,
         name="dev",
         write_csv=False,
-        query_prompt=(prompts or {}).get("query"),
-        corpus_prompt=(prompts or {}).get("document"),
+        # "" for none: given None, the evaluator would fall back to the model's own prompt, which training,
+        # given None, leaves out
+        query_prompt=(prompts or {}).get("query") or "",
+        corpus_prompt=(prompts or {}).get("document") or "",
     )
 
 
@@ -853,7 +921,7 @@ class Progress:
 
 
 def make_accelerator(args, output_dir):
-    # DeepSpeed clips by its JSON, where "auto" becomes this variable (accelerate's DeepSpeedPlugin).
+    # DeepSpeed clips by its JSON, where "auto" becomes this variable (accelerate's DeepSpeedPlugin); 0: none.
     os.environ.setdefault("ACCELERATE_GRADIENT_CLIPPING", str(args.max_grad_norm))
     launched_distributed = "LOCAL_RANK" in os.environ  # set by torchrun and the DeepSpeed launcher
     accelerator = Accelerator(
@@ -873,6 +941,7 @@ def make_accelerator(args, output_dir):
             DistributedDataParallelKwargs(find_unused_parameters=True),  # the BERT pooler gets no gradient
         ],
     )
+    check_launch(accelerator)
     if accelerator.distributed_type == DistributedType.DEEPSPEED and args.gradient_accumulation_steps > 1:
         fail(
             "--gradient_accumulation_steps > 1 under DeepSpeed: a skipped batch could not take back the "
@@ -880,6 +949,21 @@ def make_accelerator(args, output_dir):
             "instead: with Gradient Cache a bigger batch costs no more memory."
         )
     return accelerator
+
+
+def check_launch(accelerator):
+    """Stop at start where accelerate would not run the launch as meant."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        check_versions(DEEPSPEED_VERSIONS, " under DeepSpeed (older ones step the optimizer at every chunk)")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and (
+        accelerator.distributed_type == DistributedType.NO or accelerator.num_processes != world_size
+    ):
+        fail(
+            f"launched as {world_size} processes, but accelerate runs them undistributed: each would train "
+            "alone and write final/. Without a GPU, launch with ACCELERATE_USE_CPU=true (see the comment in "
+            "accelerate_configs/cpu_ddp_2proc.yaml)."
+        )
 
 
 def load_data(args, accelerator):
@@ -894,8 +978,9 @@ def load_data(args, accelerator):
     return train_data, dev_data, skipped_records
 
 
-def make_loader(train_data, args):
-    sampler = NoDuplicatesOrder(train_data, args.batch_size, args.seed)
+def make_loader(train_data, args, processes):
+    group = processes if args.cross_process_negatives else 1  # the batches contrasted together
+    sampler = NoDuplicatesOrder(train_data, args.batch_size, args.seed, group)
     # Its own generator: by default every new iterator draws a seed from the global RNG, so a resumed run
     # (one iterator more) would draw other dropout masks than an uninterrupted one.
     return torch.utils.data.DataLoader(
@@ -906,9 +991,10 @@ def make_loader(train_data, args):
 def derive_numbers(args, accelerator, loader, train_data, skipped_records):
     """The numbers a run is read by, printed and logged once."""
     if len(loader) == 0:
+        together = " (together: --cross_process_negatives)" if args.cross_process_negatives else ""
         fail(
             f"{len(train_data)} examples make no batch of {args.batch_size} distinct texts for each of "
-            f"{accelerator.num_processes} processes. Lower --batch_size or add data."
+            f"{accelerator.num_processes} processes{together}. Lower --batch_size or add data."
         )
     steps_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
     processes = accelerator.num_processes
@@ -970,7 +1056,8 @@ def clip_and_step(accelerator, engine, optimizer, max_grad_norm, loss_scaled, st
     step() and update() always run. Under DeepSpeed the step already happened inside the last backward,
     and only its norm and its own skip are read here.
     """
-    grad_norm = accelerator.clip_grad_norm_(engine.parameters(), max_grad_norm)
+    # --max_grad_norm 0 is no clipping, as DeepSpeed reads it; torch's clipping would zero every gradient.
+    grad_norm = accelerator.clip_grad_norm_(engine.parameters(), max_grad_norm or math.inf)
     infinite = grad_norm is not None and not math.isfinite(grad_norm)
     nonfinite = infinite and not loss_scaled
     if not nonfinite:
@@ -1059,13 +1146,18 @@ def main(args):
     check_matryoshka_dims(args.matryoshka_dims, model.get_embedding_dimension())
     prepare_model(model, args)  # its similarity, LoRA, gradient checkpointing
     prompts = role_prompts(model, args.query_prompt, args.document_prompt)
-    gradcache.check_examples_independent(model)
+    model.train()  # as trained: sentence-transformers loads in eval mode, where BatchNorm mixes no examples
+    try:
+        gradcache.check_examples_independent(model)
+    except ValueError as err:
+        fail(f"--model {args.model}: {err}")
     evaluator = build_evaluator(dev_data, args.dev_queries, prompts) if dev_data and args.eval_steps else None
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapter only
     adamw = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
     # A Router model's engine encodes a whole group of chunks per call (Towers).
     trained = Towers(model, train_data.column_names) if is_router(model) else model
-    engine, optimizer, loader = accelerator.prepare(trained, adamw, make_loader(train_data, args))
+    loader = make_loader(train_data, args, accelerator.num_processes)
+    engine, optimizer, loader = accelerator.prepare(trained, adamw, loader)
     derived = derive_numbers(args, accelerator, loader, train_data, skipped_records)
     total_steps = derived["total_steps"]
     # Not prepared: accelerate steps a prepared scheduler once per process under DDP and hands it to DeepSpeed

@@ -3,11 +3,13 @@ gradcache through train.py's own functions, data as public sets ship it, and tra
 """
 
 import functools
+import importlib.metadata
 import importlib.util
 import json
 import random
 import shutil
 import sys
+import types
 
 import datasets
 import pytest
@@ -125,7 +127,80 @@ def test_model_prompts_are_the_default_and_flags_override(tmp_path):
     assert train.role_prompts(model, "", "w5 ") == {"query": None, "document": "w5 "}
     dev = datasets.Dataset.from_dict({"anchor": ["w7"], "positive": ["w8"]})
     evaluator = train.build_evaluator(dev, 1, {"query": "w1 "})
-    assert evaluator.query_prompt == "w1 " and evaluator.corpus_prompt is None
+    assert evaluator.query_prompt == "w1 " and evaluator.corpus_prompt == ""  # "" is no prompt, None its own
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--query_prompt", "", "--document_prompt", ""], ["--query_prompt", "w5 "]],
+    ids=["model-prompts", "prompts-off", "query-prompt-given"],
+)
+def test_the_evaluator_encodes_with_the_prompts_of_training(tmp_path, flags):
+    """The dev evaluation embeds queries and corpus as training embeds anchors and documents. The bug: with
+    the prompts switched off ("") the evaluator, given None, used the model's own."""
+    folder = build_tiny_model(tmp_path, dropout=0.0)
+    config = json.loads((folder / "config_sentence_transformers.json").read_text())
+    config["prompts"] = {"query": "w1 ", "document": "w2 "}
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(config))
+    model, args = trained_as(folder, flags)
+    model.eval()
+    prompts = train.role_prompts(model, args.query_prompt, args.document_prompt)
+    texts = ["w7 w8 w9", "w10"]
+    evaluator = train.build_evaluator(
+        datasets.Dataset.from_dict({"anchor": texts, "positive": texts}), 2, prompts
+    )
+    for column, task, prompt in (
+        ("anchor", "query", evaluator.query_prompt),
+        ("positive", "document", evaluator.corpus_prompt),
+    ):
+        # sentence-transformers' own path: encode_query / encode_document with the evaluator's prompt
+        evaluated = evaluator.embed_inputs(model, texts, encode_fn_name=task, prompt=prompt)
+        with torch.no_grad():
+            trained = model(train.tokenize(model, texts, column, prompts))["sentence_embedding"]
+        assert torch.allclose(evaluated.cpu(), trained, atol=1e-6), (task, prompt)
+
+
+class BatchNormHead(torch.nn.Module):
+    """Normalizes the embeddings over the batch: a chunk would see other statistics than the whole batch."""
+
+    def __init__(self, dimension):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(dimension)
+
+    def forward(self, features):
+        features["sentence_embedding"] = self.norm(features["sentence_embedding"])
+        return features
+
+
+def test_a_model_with_batch_norm_is_refused_at_start(tmp_path, monkeypatch):
+    """Checked in eval mode, as sentence-transformers loads a model, BatchNorm passed: the run then failed
+    at the first step (gradcache_step checks the training engine) with a traceback."""
+    from accelerate.state import AcceleratorState
+
+    folder = build_tiny_model(tmp_path, dropout=0.0)
+    rows = [{"anchor": f"w{i}", "positive": f"w{i + 30}"} for i in range(16)]
+    data = write_rows(tmp_path / "train.jsonl", rows)
+    load_model = train.load_model
+
+    def with_batch_norm(name, device):
+        model = load_model(name, device)
+        model.append(BatchNormHead(model.get_embedding_dimension()).eval())  # in eval mode, as loaded
+        return model
+
+    monkeypatch.setattr(train, "load_model", with_batch_norm)
+    monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "1.0")  # what main() sets, undone after the test
+    args = train.parse_args(
+        ["--model", str(folder), "--data", str(data), "--output_dir", str(tmp_path / "run")]
+        + ["--batch_size", "8", "--chunk_size", "4", "--max_steps", "1", "--wandb_mode", "disabled"]
+    )
+    try:
+        with pytest.raises(
+            SystemExit, match=r"--model .*: Gradient Cache cannot be exact: 2.norm normalizes"
+        ):
+            train.main(args)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert not (tmp_path / "run").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -184,6 +259,25 @@ def test_versions_and_the_bundled_model_fail_with_what_to_do(monkeypatch):
     with pytest.raises(SystemExit):
         train.parse_args([])
     assert train.parse_args(["--model", "m"]).model == "m"
+
+
+def test_deepspeed_needs_accelerate_1_8(monkeypatch):
+    """Older accelerate steps DeepSpeed's engine at every backward: every chunk an optimizer step."""
+    from accelerate import DistributedType
+
+    installed = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: "1.7.0" if name == "accelerate" else installed(name)
+    )
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    launched = types.SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=1)
+    with pytest.raises(
+        SystemExit, match=r'accelerate>=1.8 under DeepSpeed .* found 1.7.0.*"accelerate>=1.8"'
+    ):
+        train.check_launch(launched)
+    train.check_launch(types.SimpleNamespace(distributed_type=DistributedType.NO, num_processes=1))
+    monkeypatch.setattr(importlib.metadata, "version", installed)
+    train.check_launch(launched)  # the installed one (tested: 1.15)
 
 
 def test_the_two_files_train_alone_without_optional_packages(tmp_path):

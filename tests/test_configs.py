@@ -1,5 +1,6 @@
 """accelerate_configs/: every file loads as `accelerate launch` loads it; the CPU-capable ones train."""
 
+import copy
 import itertools
 import json
 import os
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DeepSpeedPlugin, DistributedType
 
@@ -101,13 +103,46 @@ def start(config: str, args: list[str], env: dict[str, str], probe: Path) -> sub
     )
 
 
+def reference_checksum(processes: int, precision: str, deepspeed: bool) -> float:
+    """The probe's two steps in this process, without accelerate. A step's batch is the `processes`
+    batches of 2 rows that accelerate deals out, whose gradients DDP and ZeRO average. accelerate's bf16 is
+    autocast; DeepSpeed's keeps the weights in bf16 and steps an fp32 copy made from them, and DeepSpeed
+    clips at 1.0 (accelerate's value for the JSON's "auto")."""
+    bf16_weights = deepspeed and precision == "bf16"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 1))
+    data = torch.randint(0, 16, (8, 3))
+    weights = model.to(torch.bfloat16) if bf16_weights else model
+    master = copy.deepcopy(weights).float()
+    optimizer = torch.optim.AdamW(master.parameters(), lr=0.1)
+    for step in range(2):
+        ids = data[2 * processes * step : 2 * processes * (step + 1)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16" and not deepspeed):
+            weights(ids).float().pow(2).mean().backward()
+        for copied, weight in zip(master.parameters(), weights.parameters(), strict=True):
+            copied.grad, weight.grad = weight.grad.float(), None
+        if deepspeed:
+            torch.nn.utils.clip_grad_norm_(master.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for copied, weight in zip(master.parameters(), weights.parameters(), strict=True):
+                weight.copy_(copied)
+    return sum(weight.float().sum().item() for weight in weights.parameters())
+
+
 def check_ranks(output: str, expected: str, num_processes: int) -> None:
     # Judged on what the ranks printed, not on the exit code: DeepSpeed on CPU sometimes aborts
     # at interpreter exit after the work is done.
     results = re.findall(r"RESULT rank=(\d+) (.*?) checksum=(-?\d+\.\d{6})", output)
     assert sorted(int(rank) for rank, _, _ in results) == list(range(num_processes)), output[-3000:]
     assert {fields for _, fields, _ in results} == {expected}
-    assert len({checksum for _, _, checksum in results}) == 1, "ranks disagree: gradients were not synced"
+    # Every rank trained the model the probe trains here without accelerate (one process agreeing with
+    # itself would prove nothing): gradients synced, batches sharded, precision and clipping as configured.
+    precision = re.search(r"precision=(\w+)", expected)[1]
+    reference = reference_checksum(num_processes, precision, deepspeed="type=DEEPSPEED" in expected)
+    for rank, _, checksum in results:
+        assert float(checksum) == pytest.approx(reference, abs=1e-5), f"rank {rank} trained otherwise"
 
 
 @pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.name)

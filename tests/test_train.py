@@ -5,6 +5,7 @@ the resumed, unchunked and DeepSpeed runs must reproduce. The validation helpers
 in-process, where a launch would add nothing but start-up time.
 """
 
+import functools
 import gzip
 import json
 import os
@@ -408,6 +409,33 @@ def test_a_bad_data_file_stops_the_launch_before_training(tmp_path, data, model_
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_max_grad_norm_0_trains_unclipped_and_logs_the_norm(tmp_path, data, model_without_dropout):
+    """0 is no clipping, as DeepSpeed reads it: torch's clipping to 0 zeroed every gradient, so the weights
+    stayed put (no weight decay here) while the log showed the norm."""
+    launch(
+        CONFIGS / "cpu.yaml", tmp_path, "--model", model_without_dropout, "--data", data[0],
+        "--batch_size", 8, "--chunk_size", 4, "--max_steps", 2, "--lr", 1e-3, "--weight_decay", 0,
+        "--max_grad_norm", 0, "--save_steps", 0, "--wandb_mode", "disabled",
+    )  # fmt: skip
+    norms = [value for _, value in logged_scalars(tmp_path)["train/grad_norm"]]
+    assert len(norms) == 2 and all(0 < norm < float("inf") for norm in norms)
+    assert max_difference(weights(tmp_path / "final"), weights(model_without_dropout)) > 1e-4
+
+
+def test_an_undistributed_multi_process_launch_stops_at_start(tmp_path, data, model_without_dropout):
+    """cpu_ddp_2proc.yaml without ACCELERATE_USE_CPU=true on a machine without a GPU: accelerate runs every
+    process undistributed, each trained alone and wrote final/, while the run printed `processes: 2`."""
+    done = launch(
+        CONFIGS / "cpu_ddp_2proc.yaml", tmp_path, "--model", model_without_dropout, "--data", data[0],
+        "--batch_size", 8, "--chunk_size", 4, "--max_steps", 1, "--wandb_mode", "disabled",
+        processes=2, env={"ACCELERATE_USE_CPU": "false", "CUDA_VISIBLE_DEVICES": ""}, check=False,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "launched as 2 processes, but accelerate runs them undistributed" in done.stderr
+    assert "ACCELERATE_USE_CPU=true" in done.stderr
+    assert not (tmp_path / "final").exists()
+
+
 def test_deepspeed_refuses_gradient_accumulation_before_training(tmp_path, data, model_without_dropout):
     common = ("--model", model_without_dropout, "--data", data[0], "--wandb_mode", "disabled")
     done = launch(
@@ -443,6 +471,16 @@ def test_argument_errors_say_what_to_do(capsys):
     assert train.parse_args(["--eval_steps", "0", "--log_steps", "0", "--save_steps", "0"]).save_steps == 0
 
 
+def test_max_grad_norm_and_max_bad_steps_are_validated(capsys):
+    fails_with(
+        capsys, lambda: train.parse_args(["--max_grad_norm", "-1"]), "--max_grad_norm must be 0 (no clipping)"
+    )
+    assert train.parse_args(["--max_grad_norm", "0"]).max_grad_norm == 0
+    # 0 stopped the run after a good first step, calling it the last of 0 bad steps in a row
+    fails_with(capsys, lambda: train.parse_args(["--max_bad_steps", "0"]), "must be at least 1", "default 5")
+    assert train.parse_args(["--max_bad_steps", "1"]).max_bad_steps == 1
+
+
 @pytest.mark.parametrize(
     "line, fragments",
     [
@@ -464,6 +502,47 @@ def test_json_lines_errors_name_the_line(tmp_path, capsys, line, fragments):
     with gzip.open(path, "wt") as file:  # gzipped, as the bundled data
         file.write('{"anchor": "x", "positive": "y", "negative": "z"}\n' + line + "\n")
     fails_with(capsys, lambda: train.load_pairs(str(path), train.parse_columns("")), str(path), *fragments)
+
+
+def test_a_json_file_is_an_array_of_records_or_json_lines(tmp_path, capsys):
+    rows = [{"anchor": f"a{i}", "positive": f"p{i}", "negative": f"n{i}"} for i in range(3)]
+    (tmp_path / "array.json").write_text(
+        json.dumps(rows, indent=2)
+    )  # read as JSON lines, it failed on line 1
+    write_rows(tmp_path / "lines.json", rows)
+    with gzip.open(tmp_path / "array.json.gz", "wt") as file:
+        json.dump(rows, file)
+    for name in ("array.json", "lines.json", "array.json.gz"):
+        loaded, _ = train.load_pairs(str(tmp_path / name), train.parse_columns(""))
+        assert loaded.to_list() == [
+            {"anchor": r["anchor"], "positive": r["positive"], "negative_1": r["negative"]} for r in rows
+        ]
+
+    # An array is checked record by record, as JSON lines are line by line.
+    bad = [rows[0], {**rows[1], "positive": " "}, ["a2", "p2"]]
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    load_bad = functools.partial(train.load_pairs, str(tmp_path / "bad.json"), train.parse_columns(""))
+    fails_with(capsys, load_bad, "bad.json, record 2 has field 'positive' empty", "--skip_bad_records")
+    loaded, skipped = load_bad(skip_bad_records=True)
+    assert len(loaded) == 1 and skipped == 2
+    assert "record 2 has field 'positive' empty" in capsys.readouterr().out
+
+    # Any other shape: what a .json file should hold
+    (tmp_path / "object.json").write_text(json.dumps({"data": rows}, indent=2))
+    fails_with(
+        capsys,
+        lambda: train.load_pairs(str(tmp_path / "object.json"), train.parse_columns("")),
+        "holds one JSON dict over several lines",
+        "JSON array of records",
+        "JSON lines",
+    )
+    (tmp_path / "broken.json").write_text(json.dumps(rows, indent=2)[:-2])
+    fails_with(
+        capsys,
+        lambda: train.load_pairs(str(tmp_path / "broken.json"), train.parse_columns("")),
+        "broken.json is not valid JSON (",
+        "JSON array of records",
+    )
 
 
 def test_csv_and_parquet_load_with_a_column_mapping(tmp_path, capsys):
@@ -494,6 +573,16 @@ def test_csv_and_parquet_load_with_a_column_mapping(tmp_path, capsys):
         capsys, lambda: train.load_pairs(str(tmp_path / "gap.csv"), mapping), "record 2 has field 'n2' empty"
     )
     fails_with(capsys, lambda: train.load_pairs(str(tmp_path / "missing.csv"), mapping), "does not exist")
+
+
+def test_csv_fields_are_texts_as_written(tmp_path):
+    """Read as text, not parsed: pandas made "007" 7, "1e3" 1000.0 and "NA" an empty field."""
+    (tmp_path / "numeric.csv").write_text("anchor,positive\n007,1e3\n42,2.50\n")
+    loaded, _ = train.load_pairs(str(tmp_path / "numeric.csv"), train.parse_columns(""))
+    assert loaded.to_dict() == {"anchor": ["007", "42"], "positive": ["1e3", "2.50"]}
+    (tmp_path / "missing.csv").write_text("anchor,positive,negative\nNA,null,n/a\n")
+    loaded, _ = train.load_pairs(str(tmp_path / "missing.csv"), train.parse_columns(""))
+    assert loaded[0] == {"anchor": "NA", "positive": "null", "negative_1": "n/a"}
 
 
 def test_model_and_checkpoint_errors(tmp_path, capsys):
@@ -541,6 +630,66 @@ def test_batches_hold_no_duplicate_texts_and_follow_seed_and_epoch():
         assert len(texts) == len(set(texts))
     assert epoch_batches(0, 1) == epoch_batches(0, 1)
     assert epoch_batches(0, 1) != epoch_batches(0, 0) != epoch_batches(1, 0)
+
+
+def test_cross_process_negatives_keep_the_global_batch_free_of_duplicates():
+    """The loader as train.py builds it and accelerate shards it over 4 processes: with
+    --cross_process_negatives the contrastive batch of a step is the 4 local batches together, which must
+    hold no text twice (each process's own batch did not, their union did). Skipping batches, as a resumed
+    run does, replays the same order."""
+    import datasets
+    from accelerate.data_loader import prepare_data_loader, skip_first_batches
+
+    rng = random.Random(3)  # texts from small pools: batches drawn blindly would repeat some
+    documents = [rng.sample(range(150), 2) for _ in range(96)]
+    dataset = datasets.Dataset.from_dict(
+        {
+            "anchor": [f"q{rng.randrange(300)}" for _ in range(96)],
+            "positive": [f"d{positive}" for positive, _ in documents],
+            "negative_1": [f"d{negative}" for _, negative in documents],
+        }
+    )
+    processes = 4
+
+    def steps(cross_process_negatives, epoch):
+        """Each step's batches, one per process, and process 1's batches from its third on, as resumed."""
+        args = train.parse_args(
+            ["--model", "m", "--data", "x.jsonl", "--batch_size", "4", "--chunk_size", "2"]
+        )
+        args.cross_process_negatives = cross_process_negatives
+        loaders = [
+            prepare_data_loader(
+                train.make_loader(dataset, args, processes), num_processes=processes, process_index=i
+            )
+            for i in range(processes)
+        ]
+        for loader in loaders:
+            loader.set_epoch(epoch)
+        local = [list(loader) for loader in loaders]
+        loaders[1].set_epoch(epoch)
+        assert list(skip_first_batches(loaders[1], 2)) == local[1][2:]
+        return list(zip(*local, strict=True))
+
+    def repeated_texts(batches):
+        texts = [text for batch in batches for column in batch.values() for text in column]
+        return len(texts) - len(set(texts))
+
+    for epoch in (0, 1):
+        together = steps(True, epoch)
+        assert len(together) == 6  # 96 examples, 16 a step
+        assert all(repeated_texts(step) == 0 for step in together)
+        assert together == steps(True, epoch)  # seeded
+        alone = steps(False, epoch)  # the control: each batch distinct, not the union
+        assert all(repeated_texts([batch]) == 0 for step in alone for batch in step)
+        assert sum(repeated_texts(step) for step in alone) > 0
+
+
+def test_resuming_with_cross_process_negatives_toggled_is_refused(tmp_path):
+    args = train.parse_args(["--model", "m", "--data", "x.jsonl", "--cross_process_negatives"])
+    state = {"processes": 2, "args": vars(args) | {"cross_process_negatives": False}}
+    (tmp_path / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(SystemExit, match="written with --cross_process_negatives False: the data order"):
+        train.resume_training(None, tmp_path, args, None, processes=2)
 
 
 def test_evaluator_retrieves_each_query_positive_among_distinct_positives():
