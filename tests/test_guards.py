@@ -160,3 +160,31 @@ def test_every_process_takes_the_same_decision(case, tmp_path):
         assert outcomes == [{"skipped": True, "has_grad": False}] * 2
     else:
         assert all("chunk of 4 examples ran out of memory" in outcome["error"] for outcome in outcomes)
+
+
+@pytest.mark.parametrize(
+    "backend, accelerator, expected",
+    [
+        ("gloo", None, "cpu"),
+        ("nccl", "cuda", "cuda:0"),
+        ("cpu:gloo,cuda:nccl", "cuda", "cpu"),
+        ("mpi", "cuda", "cpu"),
+    ],
+)
+def test_collectives_go_to_the_process_group_device(monkeypatch, backend, accelerator, expected):
+    """NCCL refuses CPU tensors: the plan and guard agreements go where the process group computes, whatever
+    device the columns (texts) or the encoders (a Router's callables) are on. No NCCL here: the process group
+    and the accelerator are stand-ins."""
+    monkeypatch.setattr(gradcache.dist, "get_backend", lambda: backend)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: accelerator is not None)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device(accelerator or "cpu"))
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    assert gradcache.collective_device() == torch.device(expected)
+
+    asked, reduced = [], []
+    monkeypatch.setattr(gradcache, "collective_device", lambda: asked.append(1) or torch.device("cpu"))
+    monkeypatch.setattr(gradcache.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(gradcache.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(gradcache.dist, "all_reduce", lambda tensor, op: reduced.append(tensor.tolist()))
+    assert gradcache.largest_on_any_process([3, 1]) == [3, 1] and not gradcache.any_process(False)
+    assert reduced == [[3, 1], [0]] and len(asked) == 2
