@@ -26,10 +26,12 @@ log-sum-exp and recomputes the tiles in its backward (Inf-CL, Cheng et al. 2024)
 representations and one tile; across processes each process computes only its own rows. Two
 refinements cost nothing in exactness: the chunk encoded last in stage 1 keeps its graph and is
 back-propagated directly (N chunks cost N - 1 re-encodings), and examples are grouped into chunks by
-length so a chunk pays for its own longest text, not the batch's. Chunks can hold a fixed number of
-examples (`chunk_size`) or as many as fit in a budget of padded tokens (`chunk_tokens`), so that peak
-memory follows the budget whatever the texts; columns of raw texts are tokenized chunk by chunk
-(`tokenize_per_chunk`), never padded as a whole batch.
+length so a chunk pays for its own longest text, not the batch's (`Refinements`). Chunks can hold a
+fixed number of examples (`chunk_size`) or as many as fit in a budget of padded tokens (`chunk_tokens`),
+so that peak memory follows the budget whatever the texts; columns of raw texts are tokenized chunk by
+chunk (`tokenize_per_chunk`), never padded as a whole batch. With several processes, all of them agree
+on one plan before stage 1 (`plan_step`): ZeRO-2 and ZeRO-3 communicate in every pass, so every process
+must run the same passes, whatever its texts.
 
 Two guards keep a long run safe. A loss or representation gradient that is not finite is found after
 stage 2, before any backward: nothing is back-propagated and the report says `skipped`, so the trainer
@@ -44,6 +46,10 @@ This file depends on torch alone. The training framework enters through two argu
 once and, under DeepSpeed, steps the optimizer) and `sync_context(is_last)` (which lets only the last
 backward of the batch synchronize gradients across processes). `accelerate_sync_context` builds the
 latter for Hugging Face accelerate without importing it.
+
+The file reads in the order of the step: `gradcache_step`, an outline; its three stages; what they rest
+on (the refinements, the chunk plan, inputs and per-chunk tokenization, RNG replay, the exchange between
+processes and the out-of-memory protocol, the checks); the loss of stage 2, tiled; the accelerate adapter.
 """
 
 import contextlib
@@ -58,7 +64,680 @@ import torch.nn.functional as F
 from torch import nn
 
 # ---------------------------------------------------------------------------------------------------------
-# The loss of stage 2, tiled: any callable loss(*reps) -> scalar works; reps come in column order.
+# The step: an outline of the three stages
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StepReport:
+    loss: torch.Tensor  # detached full-batch loss (the global batch's with cross-process negatives)
+    num_chunks: int  # chunk forwards of stage 1, all columns together
+    num_reencoded: int  # chunks encoded again in stage 3 (num_chunks minus the kept group)
+    rep_grad_norm: float  # norm of the cached representation gradients, all columns together
+    skipped: bool = False  # the loss or its representation gradients were not finite: nothing back-propagated
+
+
+def gradcache_step(
+    encoders,
+    columns: Sequence,
+    loss_fn: Callable | None = None,
+    chunk_size=None,
+    *,
+    chunk_tokens=None,
+    lengths: Sequence | None = None,
+    backward: Callable = torch.Tensor.backward,
+    sync_context: Callable = lambda is_last: contextlib.nullcontext(),
+    get_rep: Callable | None = None,
+    select: Callable | Sequence[Callable] | None = None,
+    cross_process_negatives: bool = False,
+    allow_batch_mixing: bool = False,
+    agree_on_out_of_memory: bool = True,
+    encode_group: Callable | None = None,
+) -> StepReport:
+    """Accumulate into `.grad` the exact full-batch gradient of `loss_fn` over `columns`.
+
+    encoders:     one callable shared by all columns, or one per column (query and document towers),
+                  called on one chunk's input. None with `encode_group`.
+    encode_group: instead of `encoders`, one callable for a whole group: `encode_group(inputs, columns)`,
+                  with a list of chunk inputs and their column indices, returns their outputs. Towers under
+                  DDP need it: each DDP forward searches its own output for the parameters it used, so
+                  one backward must follow one forward that ran every tower. Groups are then those of
+                  separate towers (one chunk of every column).
+    columns:      the batch, one entry per text column (anchor, positive, hard negatives...), each a
+                  sentence-transformers features dict, a tensor, or what `select` understands (a list of
+                  texts with `select=tokenize_per_chunk(...)`).
+    loss_fn:      loss(*reps) -> scalar on the full batch of representations, in column order. Under
+                  cross-process negatives it is called as loss(*global_reps, local_rows=slice) and
+                  returns this process's share (`contrastive_loss` explains); a loss_fn without a
+                  `local_rows` argument is refused there. None: `contrastive_loss`.
+    chunk_size:   examples per chunk, an int or one per column; need not divide the batch. 32 by default.
+    chunk_tokens: instead of chunk_size, padded tokens per chunk (an int or one per column): a chunk takes
+                  as many examples, longest first, as fit, so its memory follows the budget, not the
+                  batch's longest text. An example longer than the budget is a chunk of its own.
+    lengths:      tokens per example, one sequence per column (or None): orders the chunks by length and
+                  counts their tokens. Default: from a features dict's attention mask.
+    select:       select(column, index) -> the encoder's input for those examples; one callable or one
+                  per column (e.g. `tokenize_per_chunk` with each column's prompt). None: `select_examples`.
+    get_rep:      an encoder's output -> the representation. None: a sentence-transformers output's
+                  "sentence_embedding" (`sentence_embedding`), or the output itself.
+    backward:     called once per chunk on a surrogate scalar: `accelerator.backward` under accelerate.
+    sync_context: `sync_context(is_last)` is entered around the forward and backward of each chunk that
+                  is back-propagated; only the last chunk of the batch gets `is_last=True`. See
+                  `accelerate_sync_context`.
+    cross_process_negatives: contrast each example with the representations of every process, with
+                  the parameter gradients of one process computing the global batch (assumes the
+                  backend averages gradients over processes, as DDP, FSDP and DeepSpeed do). Each
+                  process computes only its own rows of the loss (`global_batch_gradients`).
+    agree_on_out_of_memory: let every process learn of an out-of-memory before the next collective, so
+                  that all raise `ChunkOutOfMemory` together. False where the passes are collectives
+                  themselves (DeepSpeed ZeRO-3 gathers parameters in every forward, ZeRO-2/3 reduce in every
+                  backward): the process that ran out then raises at once, unagreed. An out-of-memory in the
+                  backward that synchronizes is never agreed on: the others are already in its all-reduce.
+    """
+    columns = list(columns)
+    loss_fn = loss_fn or contrastive_loss
+    encoders = [encode_group] * len(columns) if encode_group is not None else encoders
+    encoders = list(encoders) if isinstance(encoders, Sequence) else [encoders] * len(columns)
+    limits, by_tokens = chunk_limits(chunk_size, chunk_tokens, len(columns))
+    lengths = [None] * len(columns) if lengths is None else list(lengths)
+    check_step_arguments(encoders, columns, limits, by_tokens, lengths, allow_batch_mixing)
+    check_loss_takes_local_rows(loss_fn, cross_process_negatives)
+    together = encode_group is not None or len({id(encoder) for encoder in encoders}) > 1
+    groups = plan_step(columns, limits, by_tokens, lengths, together)
+    encode = group_encoder(
+        columns, encoders, encode_group, select or select_examples, get_rep or sentence_embedding
+    )
+    out_of_memory = OutOfMemory(agree_on_out_of_memory, limits, by_tokens)
+
+    # The last group keeps its graph from stage 1 to stage 3, and its sync context stays open as long.
+    with contextlib.ExitStack() as kept_sync:
+        with out_of_memory.watch():
+            cache, rng_states, kept = encode_without_grad(groups, encode, columns, sync_context, kept_sync)
+        out_of_memory.agree()  # before stage 2's collectives
+
+        loss, rep_grads = cache_representation_gradients(loss_fn, cache, cross_process_negatives)
+        reencoded = groups[:-1] if kept is not None else groups
+        report = StepReport(
+            loss=loss,
+            num_chunks=sum(map(len, groups)),
+            num_reencoded=sum(map(len, reencoded)),
+            rep_grad_norm=float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in rep_grads]))),
+        )
+        finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(g).all()) for g in rep_grads)
+        if any_process(not finite):
+            report.skipped = True  # an optimizer step on these gradients would poison the weights
+            return report
+
+        if kept is not None:  # back-propagated first, while its graph is alive: one group's activations
+            with out_of_memory.watch(collective=len(groups) == 1):
+                backpropagate_cache(groups[-1], kept, rep_grads, backward)
+            kept = None
+    reencode_and_backpropagate(
+        reencoded, rng_states, encode, rep_grads, backward, sync_context, out_of_memory
+    )
+    return report
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The three stages
+# ---------------------------------------------------------------------------------------------------------
+
+
+def encode_without_grad(groups, encode, columns, sync_context, kept_sync):
+    """Stage 1: every group encoded without grad; its representations cached, its RNG state kept.
+
+    The cache is one fp32 buffer per column, in batch order, filled chunk by chunk: a single allocation,
+    where a list of small chunk tensors would fragment the heap and keep it after stage 2 frees them. The
+    last group is encoded with grad (in its sync context, entered into `kept_sync`) and its representations
+    returned, so that stage 3 back-propagates it without a second forward. Returns (cache, RNG states,
+    the last group's representations or None).
+    """
+    cache, rng_states, reps = [None] * len(columns), [], None
+    for g, group in enumerate(groups):
+        rng_states.append(RngState.capture())
+        keep = REFINEMENTS.reuse_last_chunk and g == len(groups) - 1
+        if keep:
+            kept_sync.enter_context(sync_context(len(groups) == 1))
+        with torch.set_grad_enabled(keep):
+            reps = encode(group)
+        for (c, index, padding), rep in zip(group, reps, strict=True):
+            if cache[c] is None:
+                cache[c] = torch.empty(
+                    batch_size_of(columns[c]), *rep.shape[1:], dtype=torch.float32, device=rep.device
+                )
+            if not padding:
+                cache[c][index.to(rep.device)] = rep.detach().float()
+    return cache, rng_states, reps if REFINEMENTS.reuse_last_chunk else None
+
+
+def cache_representation_gradients(loss_fn, cache, cross_process_negatives):
+    """Stage 2: the full-batch loss and dL/dr for every representation, in batch order, fp32, unscaled.
+
+    Empties `cache`: from here on the step holds the B x d gradients, not the representations too.
+    """
+    leaves = [reps.requires_grad_() for reps in cache]
+    cache.clear()
+    with torch.autocast(leaves[0].device.type, enabled=False), torch.enable_grad():
+        if spans_processes(cross_process_negatives):
+            return global_batch_gradients(loss_fn, leaves)
+        loss = check_scalar(loss_fn(*leaves))
+        return loss.detach(), gradients(loss, leaves)
+
+
+def global_batch_gradients(loss_fn, leaves):
+    """Stage 2 across processes: local rows against global columns.
+
+    Every process gathers every column of every process (detached) and computes only its own rows of the
+    loss, `loss_fn(*global_columns, local_rows=slice)`: its share L_r of the global loss, whose gradient
+    reaches its own rows and every other process's candidates. The gradient of a representation is the
+    sum over processes of dL_r/dr: one all-reduce carries all of them, and the shares of the loss. The
+    cost per process is O(B_local x B_global); no process holds B_global x B_global.
+    """
+    gathered = [gather_from_all_processes(leaf) for leaf in leaves]
+    sizes = [len(rows) for rows in gathered[0]]
+    first = sum(sizes[: dist.get_rank()])
+    local_rows = slice(first, first + sizes[dist.get_rank()])
+    batch = [torch.cat(rows).requires_grad_() for rows in gathered]
+    share = check_scalar(loss_fn(*batch, local_rows=local_rows))
+    grads = gradients(share, batch)
+    summed = torch.cat([share.detach().reshape(1), *[grad.flatten() for grad in grads]])
+    dist.all_reduce(summed)
+    loss, summed_grads = summed[0], summed[1:].split([grad.numel() for grad in grads])
+    # DDP and DeepSpeed average over processes: each holds 1/world of the global gradient, so scale back.
+    world_size = dist.get_world_size()
+    rep_grads = [
+        grad.view_as(rows)[local_rows] * world_size for grad, rows in zip(summed_grads, batch, strict=True)
+    ]
+    return loss, rep_grads
+
+
+def gradients(loss, inputs):
+    """d loss / d input for each input; zeros for an input the loss does not use."""
+    grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    return [torch.zeros_like(x) if grad is None else grad for x, grad in zip(inputs, grads, strict=True)]
+
+
+def spans_processes(cross_process_negatives):
+    return cross_process_negatives and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def backpropagate_cache(group, reps, rep_grads, backward):
+    """Stage 3 for one group: backward of the surrogate sum <r, dL/dr>; its gradient is the group's share.
+
+    A padding chunk enters with a zero weight: its backward reaches the same parameters as the others'."""
+    # fp32 with autocast off: the representation gradients are unscaled, `backward` scales (fp16) once.
+    with torch.autocast(reps[0].device.type, enabled=False):
+        surrogate = sum(
+            rep.float().sum() * 0.0 if padding else (rep.float() * rep_grads[c][index.to(rep.device)]).sum()
+            for (c, index, padding), rep in zip(group, reps, strict=True)
+        )
+    backward(surrogate)
+
+
+def reencode_and_backpropagate(groups, rng_states, encode, rep_grads, backward, sync_context, out_of_memory):
+    """Stage 3 for the groups stage 1 did not keep: each encoded again with grad from its stage-1 RNG state
+    (the same dropout masks), its cached gradient back-propagated. Only the last backward synchronizes; the
+    processes agree on any out-of-memory before it, since the others would wait in its all-reduce."""
+    for g, group in enumerate(groups):
+        is_last = g == len(groups) - 1
+        if is_last:
+            out_of_memory.agree()
+        elif out_of_memory.ran_out:
+            continue  # to the agreement before the last backward: no other process is waiting yet
+        with out_of_memory.watch(collective=is_last), sync_context(is_last):
+            with rng_states[g].replay() if REFINEMENTS.replay_rng else contextlib.nullcontext():
+                reps = encode(group)
+            backpropagate_cache(group, reps, rep_grads, backward)
+            reps = None
+    out_of_memory.agree(collectively=False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The refinements, and the encoding of a group
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Refinements:
+    """What the step does beyond the paper, none of it changing the gradients. Benchmarks and negative
+    controls switch one off for a measurement: `with gradcache.refinements(replay_rng=False): ...`."""
+
+    reuse_last_chunk: bool = True  # stage 1 keeps the last group's graph: N groups cost N - 1 re-encodings
+    replay_rng: bool = True  # stage 3 replays stage 1's RNG: without it dropout makes the gradients wrong
+    sort_by_length: bool = True  # chunks of texts of similar length, so each trims its own padding
+
+
+REFINEMENTS = Refinements()
+
+
+@contextlib.contextmanager
+def refinements(**switches):
+    saved = dataclasses.replace(REFINEMENTS)
+    for name, value in switches.items():
+        if not hasattr(REFINEMENTS, name):
+            raise ValueError(f"no refinement {name!r}: choose from {list(vars(saved))}")
+        setattr(REFINEMENTS, name, value)
+    try:
+        yield
+    finally:
+        for name, value in vars(saved).items():
+            setattr(REFINEMENTS, name, value)
+
+
+def group_encoder(columns, encoders, encode_group, select, get_rep):
+    """encode(group) -> the representations of a group's chunks: each chunk's input selected from its
+    column, then one call per chunk through its column's encoder, or one call for the group."""
+    selects = list(select) if isinstance(select, Sequence) else [select] * len(columns)
+
+    def encode(group):
+        inputs = [selects[c](columns[c], index) for c, index, _ in group]
+        if encode_group is not None:
+            return [get_rep(output) for output in encode_group(inputs, [chunk.column for chunk in group])]
+        return [get_rep(encoders[chunk.column](x)) for chunk, x in zip(group, inputs, strict=True)]
+
+    return encode
+
+
+def chunk_limits(chunk_size, chunk_tokens, num_columns):
+    """([a limit per column], by tokens): chunk_size, 32 by default, or chunk_tokens; never both."""
+    if chunk_size is not None and chunk_tokens is not None:
+        raise ValueError(
+            "pass chunk_size or chunk_tokens, not both: a chunk is counted in examples or in padded tokens."
+        )
+    by_tokens = chunk_tokens is not None
+    limit = chunk_tokens if by_tokens else 32 if chunk_size is None else chunk_size
+    return (list(limit) if isinstance(limit, Sequence) else [limit] * num_columns), by_tokens
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The chunk plan: the same passes on every process
+# ---------------------------------------------------------------------------------------------------------
+
+
+class Chunk(typing.NamedTuple):
+    """Examples `index` of column `column`, encoded in one forward. A padding chunk repeats one example
+    so that this process runs as many passes as the others: it is encoded and back-propagated with a zero
+    weight, and never enters the loss."""
+
+    column: int
+    index: torch.Tensor
+    padding: bool = False
+
+
+def plan_step(columns, limits, by_tokens, lengths, together):
+    """The step's groups (what one backward covers), the same in number and shape on every process.
+
+    Each column is planned alone (`plan_chunks`), from this process's texts. Under ZeRO-2 and ZeRO-3 every
+    forward and backward is a collective, so the processes then agree on the number of chunks of every
+    column (the largest any of them planned: one all-reduce), and a process that planned fewer halves its
+    largest chunks, in tokens or examples, until it has as many: halving never exceeds the budget. A column
+    with fewer examples than chunks gets padding chunks.
+
+    A shared encoder back-propagates chunk by chunk: one group per chunk, column after column. Separate
+    towers (`together`) back-propagate one chunk of every column together, so every column holds the same
+    number of chunks: under ZeRO-3 every backward must reach every tower, or a tower's first gradient of
+    the step lands on a stale one (DeepSpeed issue #1355), and under DDP each backward must see the same
+    parameters on every process.
+    """
+    limit_name = "chunk_tokens" if by_tokens else "chunk_size"
+    counted = [
+        example_lengths(column, column_lengths)
+        for column, column_lengths in zip(columns, lengths, strict=True)
+    ]
+    plans = [
+        plan_chunks(column, lengths=column_lengths, **{limit_name: limit})
+        for column, limit, column_lengths in zip(columns, limits, counted, strict=True)
+    ]
+    counts = [max(map(len, plans))] * len(plans) if together else [len(plan) for plan in plans]
+    counts = largest_on_any_process(counts)
+    plans = [split_to(plan, count, sizes) for plan, count, sizes in zip(plans, counts, counted, strict=True)]
+    if together:
+        return [[Chunk(c, *plan[s]) for c, plan in enumerate(plans)] for s in range(counts[0])]
+    return [[Chunk(c, *chunk)] for c, plan in enumerate(plans) for chunk in plan]
+
+
+def example_lengths(column, lengths):
+    """Tokens per example: `lengths` as given, else from a features dict's attention mask, else None."""
+    mask = column.get("attention_mask") if isinstance(column, Mapping) else None
+    if lengths is None and isinstance(mask, torch.Tensor):
+        lengths = mask.sum(dim=1)
+    return None if lengths is None else torch.as_tensor(lengths).cpu()
+
+
+def split_to(plan, count, lengths):
+    """[(index, padding)]: `plan` with its largest chunks halved until it holds `count` chunks, then padding
+    chunks (its shortest example again) where every chunk is down to one example."""
+
+    def padded_size(chunk):
+        return len(chunk) * (1 if lengths is None else int(lengths[chunk].max()))
+
+    plan = list(plan)
+    while len(plan) < count:
+        largest = max(range(len(plan)), key=lambda s: padded_size(plan[s]))
+        chunk = plan[largest]
+        if len(chunk) == 1:
+            break
+        half = (len(chunk) + 1) // 2
+        plan[largest : largest + 1] = [chunk[:half], chunk[half:]]
+    padding = [(plan[-1][-1:], True)] * (count - len(plan))
+    return [(chunk, False) for chunk in plan] + padding
+
+
+def plan_chunks(column, chunk_size=None, *, chunk_tokens=None, lengths=None):
+    """Index tensors splitting a column into chunks: of at most `chunk_size` examples, or of at most
+    `chunk_tokens` padded tokens (examples x the chunk's longest); exactly one of the two.
+
+    lengths:      tokens per example; by default counted from the attention mask of a features dict.
+    With lengths (and `Refinements.sort_by_length`), examples are ordered longest first (stable), so each
+    chunk holds texts of similar length and trims most of its padding; the longest chunk comes first, so a
+    chunk size that does not fit fails at once. A token budget takes, in that order, as many examples as
+    fit; a chunk's padded size is then its count x its first example's length. An example longer than the
+    budget gets a chunk of its own.
+    """
+    if (chunk_size is None) == (chunk_tokens is None):
+        raise ValueError("pass one of chunk_size (examples per chunk) and chunk_tokens (padded tokens).")
+    batch_size = batch_size_of(column)
+    lengths = example_lengths(column, lengths)
+    if lengths is None and chunk_tokens is not None:
+        raise ValueError(
+            "chunk_tokens needs each example's length: pass lengths= (tokens per example) for a column "
+            "without an attention mask, or use chunk_size."
+        )
+    if lengths is not None:
+        if lengths.shape != (batch_size,):
+            raise ValueError(f"lengths holds {lengths.numel()} values for a column of {batch_size} examples.")
+    if REFINEMENTS.sort_by_length and lengths is not None:
+        order = torch.argsort(lengths, descending=True, stable=True)
+    else:
+        order = torch.arange(batch_size)
+    if chunk_tokens is None:
+        return list(order.split(chunk_size))
+    chunks, chunk, longest = [], [], 0
+    for example, length in zip(order.tolist(), lengths[order].tolist(), strict=True):
+        if chunk and (len(chunk) + 1) * max(longest, length) > chunk_tokens:
+            chunks.append(chunk)
+            chunk, longest = [], 0
+        chunk.append(example)
+        longest = max(longest, length)
+    return [torch.tensor(chunk) for chunk in [*chunks, chunk]]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Inputs: a column is a dict of batch-first tensors (sentence-transformers features), a tensor, or
+# anything `select(column, index)` understands, such as raw texts tokenized chunk by chunk
+# ---------------------------------------------------------------------------------------------------------
+
+
+def sentence_embedding(output):
+    """The representation a sentence-transformers model returns; other outputs pass through."""
+    return output["sentence_embedding"] if isinstance(output, Mapping) else output
+
+
+def batch_size_of(column):
+    if isinstance(column, Mapping):
+        for key in ("attention_mask", "input_ids"):
+            if isinstance(column.get(key), torch.Tensor):
+                return len(column[key])
+        return len(next(value for value in column.values() if isinstance(value, torch.Tensor)))
+    return len(column)
+
+
+def select_examples(column, index):
+    """The examples `index` of a column, with padding columns that no selected example uses trimmed.
+
+    Non-tensor entries (sentence-transformers' `'modality'`) and 0-d tensors pass through unchanged.
+    Trailing padding is trimmed; leading padding too when the chunk is left-padded (decoder-only models:
+    every selected example ends at the last column). The chunk is then what tokenizing its texts alone
+    gives, the way sentence-transformers encodes a batch: a model that numbers positions from the first
+    column sees them shifted by the trimmed columns, which rotary positions (relative) do not feel.
+    """
+    if isinstance(column, torch.Tensor):
+        return column[index.to(column.device)]
+    if not isinstance(column, Mapping):
+        return [column[i] for i in index.tolist()]
+    chunk = {
+        key: value[index.to(value.device)] if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+        for key, value in column.items()
+    }
+    mask = chunk.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.any():
+        width = mask.shape[1]
+        used = mask.any(dim=0).nonzero()
+        first = int(used.min()) if bool(mask[:, -1].all()) else 0
+        last = int(used.max()) + 1
+        for key, value in chunk.items():
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == width:
+                chunk[key] = value[:, first:last]
+    return chunk
+
+
+def tokenize_per_chunk(tokenize):
+    """`select` for columns of raw texts: `tokenize(texts)` runs on the texts of each chunk as it is encoded.
+
+    `tokenize` turns a list of texts into the encoder's input, padded to its longest (a sentence-transformers
+    model's `preprocess`, then a move to the device). A chunk is padded to its own longest text and the batch
+    is never tokenized as a whole, so host memory follows the batch's tokens. Give `gradcache_step` each
+    column's token counts (the tokenizer without padding) as `lengths`, to sort and budget the chunks.
+    """
+
+    def select(texts, index):
+        features = tokenize([texts[i] for i in index.tolist()])
+        # A plain dict: DDP looks for the output's tensors in dicts only, and a sentence-transformers model
+        # returns its input (a tokenizer's BatchEncoding) with its outputs added. Unseen, they would leave
+        # every parameter "unused" (find_unused_parameters) and then "marked ready twice".
+        return dict(features) if isinstance(features, Mapping) else features
+
+    return select
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RNG replay: the re-encoding must draw the dropout masks of the first encoding
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RngState:
+    """The generators' states before a group's first forward: the CPU's and every initialized CUDA device's.
+
+    Stage 3 replays them, so that dropout draws the masks of stage 1 and the re-encoding is the encoding."""
+
+    cpu: torch.Tensor
+    cuda: list
+
+    @classmethod
+    def capture(cls):
+        return cls(
+            torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+        )
+
+    @contextlib.contextmanager
+    def replay(self):
+        # fork_rng restores the outer state on exit, so replaying leaves the RNG where stage 1 left it.
+        with torch.random.fork_rng(devices=range(len(self.cuda))):
+            torch.set_rng_state(self.cpu)
+            if self.cuda:
+                torch.cuda.set_rng_state_all(self.cuda)
+            yield
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Between processes: the exchange of stage 2, and decisions every process takes alike
+# ---------------------------------------------------------------------------------------------------------
+
+
+def gather_from_all_processes(local):
+    """Every process's rows of `local` (detached), in rank order; ranks may hold different row counts."""
+    world_size = dist.get_world_size()
+    size = torch.tensor([len(local)], device=local.device)
+    sizes = [torch.empty_like(size) for _ in range(world_size)]
+    dist.all_gather(sizes, size)
+    rows = max(int(s) for s in sizes)
+    padded = torch.cat([local, local.new_zeros(rows - len(local), *local.shape[1:])])
+    gathered = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(gathered, padded.contiguous())
+    return [g[: int(s)] for g, s in zip(gathered, sizes, strict=True)]
+
+
+def any_process(flag):
+    """True on every process if `flag` is True on any (a no-op without torch.distributed)."""
+    return bool(largest_on_any_process([int(flag)])[0])
+
+
+def largest_on_any_process(numbers):
+    """Each of `numbers` replaced by its largest value on any process: one all-reduce of a few ints."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return list(numbers)
+    largest = torch.tensor(numbers, dtype=torch.int64, device=collective_device())
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return largest.tolist()
+
+
+def collective_device():
+    """Where the default process group takes its tensors: the CPU for gloo (and MPI), else the current
+    accelerator (NCCL refuses CPU tensors, whatever device the columns or the encoder live on)."""
+    backend = str(dist.get_backend())
+    if "gloo" in backend or backend == "mpi" or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+class ChunkOutOfMemory(RuntimeError):
+    """A chunk did not fit. Nothing of the step is left in memory; gradients may hold part of it.
+
+    `agreed`: every process raised it together. When False this process ran out alone where the others may
+    be waiting in a collective it will never join (a synchronizing backward, or any pass under ZeRO-3): the
+    job cannot continue, only end.
+    """
+
+    def __init__(self, message, agreed=True):
+        super().__init__(message)
+        self.agreed = agreed
+
+
+class OutOfMemory:
+    """The out-of-memory protocol of one step: every process raises `ChunkOutOfMemory` together, or the job
+    ends; no process is ever left waiting in a collective the others will not reach.
+
+    `watch()` notes an out-of-memory in a pass and lets the step go on, computing nothing, to the next
+    agreement point (`agree()`: before stage 2, before the backward that synchronizes), where one all-reduce
+    tells every process. A pass that is a collective itself (the synchronizing backward; under ZeRO-2/3,
+    `agree=False`, every pass) cannot wait for that: the process that ran out raises at once, unagreed.
+    """
+
+    def __init__(self, agree, limits, by_tokens):
+        self.agree_with_others, self.limits, self.by_tokens = agree, limits, by_tokens
+        self.ran_out = self.alone = False
+
+    @contextlib.contextmanager
+    def watch(self, collective=False):
+        # Raised later, outside this handler: its traceback would pin the chunk's memory.
+        try:
+            yield
+        except torch.OutOfMemoryError:
+            self.ran_out, self.alone = True, collective or not self.agree_with_others
+
+    def agree(self, collectively=True):
+        if self.alone:
+            raise self.error(agreed=False)
+        if collectively and self.agree_with_others:
+            self.ran_out = any_process(self.ran_out)
+        if self.ran_out:
+            raise self.error(agreed=True)
+
+    def error(self, agreed):
+        def shown(values):
+            return values[0] if len(set(values)) == 1 else values
+
+        smaller = shown([max(limit // 2, 1) for limit in self.limits])
+        if self.by_tokens:
+            chunk, use = f"up to {shown(self.limits)} padded tokens", "chunk_tokens"
+        else:
+            chunk, use = f"{shown(self.limits)} examples", "chunk size"
+        return ChunkOutOfMemory(
+            f"a chunk of {chunk} ran out of memory (on this or another process). Use a {use} of {smaller} or "
+            "less: the batch, and so the gradients, stay the same; a step takes longer.",
+            agreed,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checks: what cannot be exact, or cannot run, is refused with what to do
+# ---------------------------------------------------------------------------------------------------------
+
+
+def check_step_arguments(encoders, columns, limits, by_tokens, lengths, allow_batch_mixing):
+    if not columns:
+        raise ValueError("columns is empty: pass at least an anchor and a positive column.")
+    if len(encoders) != len(columns):
+        raise ValueError(
+            f"{len(encoders)} encoders for {len(columns)} columns: pass one shared or one per column."
+        )
+    name, what = ("chunk_tokens", "token budgets") if by_tokens else ("chunk_size", "chunk sizes")
+    if len(limits) != len(columns):
+        raise ValueError(f"{len(limits)} {what} for {len(columns)} columns: pass one int or one per column.")
+    for limit in limits:
+        if not isinstance(limit, int) or limit <= 0:
+            raise ValueError(f"{name} must be a positive int, got {limit!r}.")
+    if len(lengths) != len(columns):
+        raise ValueError(f"lengths for {len(lengths)} columns, the batch has {len(columns)}: one per column.")
+    sizes = [batch_size_of(column) for column in columns]
+    if sizes[0] == 0:
+        raise ValueError("the batch is empty: every column needs at least one example.")
+    if len(set(sizes)) > 1:
+        raise ValueError(
+            f"columns hold different numbers of examples {sizes}: every column needs one per row."
+        )
+    if not allow_batch_mixing:
+        for encoder in {id(e): e for e in encoders}.values():
+            if isinstance(encoder, nn.Module):
+                check_examples_independent(encoder)
+
+
+def check_scalar(loss):
+    if loss.dim() != 0:
+        raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}; reduce it (mean).")
+    return loss
+
+
+def check_loss_takes_local_rows(loss_fn, cross_process_negatives):
+    """Under cross-process negatives stage 2 calls loss_fn(*global_columns, local_rows=slice)."""
+    if not spans_processes(cross_process_negatives):
+        return
+    try:
+        parameters = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):
+        parameters = []
+    if not any(p.name == "local_rows" or p.kind is p.VAR_KEYWORD for p in parameters):
+        raise ValueError(
+            "with cross_process_negatives each process computes only its own rows of the loss, so loss_fn "
+            "must accept `local_rows` (a slice of the global batch's rows) and return those rows' terms "
+            "divided by the global batch size, as contrastive_loss does. Add that argument to your loss, "
+            "or pass cross_process_negatives=False."
+        )
+
+
+def check_examples_independent(module):
+    """Raise if `module` mixes examples across the batch (BatchNorm in training mode).
+
+    Such a layer computes different outputs for a chunk than for the full batch, so no chunked gradient
+    can equal the full-batch one. BatchNorm in eval mode uses running statistics and is fine.
+    """
+    mixing = [
+        name or type(module).__name__
+        for name, layer in module.named_modules()
+        if isinstance(layer, nn.modules.batchnorm._BatchNorm) and layer.training
+    ]
+    if mixing:
+        raise ValueError(
+            f"Gradient Cache cannot be exact: {', '.join(mixing)} normalizes over the batch, so a chunk sees "
+            "other statistics than the full batch. Put these layers in eval mode, replace them (LayerNorm), "
+            "or pass allow_batch_mixing=True to accept inexact gradients."
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Appendix: the loss of stage 2, tiled. Any loss(*reps) -> scalar works; reps come in column order.
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -225,613 +904,6 @@ def targets_in_tile(i, j, shape, first_target, device):
     last = min(shape[0], j + shape[1] - first_target - i)
     local = torch.arange(first, max(first, last), device=device)
     return local, local + (first_target + i - j)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Inputs: a column is a dict of batch-first tensors (sentence-transformers features), a tensor, or
-# anything a user `select(column, index)` understands, such as a list of raw texts tokenized chunk by chunk
-# (`tokenize_per_chunk`) with its token counts passed as `lengths`.
-# ---------------------------------------------------------------------------------------------------------
-
-
-def sentence_embedding(output):
-    """The representation a sentence-transformers model returns; other outputs pass through."""
-    return output["sentence_embedding"] if isinstance(output, Mapping) else output
-
-
-def batch_size_of(column):
-    if isinstance(column, Mapping):
-        for key in ("attention_mask", "input_ids"):
-            if isinstance(column.get(key), torch.Tensor):
-                return len(column[key])
-        return len(next(value for value in column.values() if isinstance(value, torch.Tensor)))
-    return len(column)
-
-
-def select_examples(column, index):
-    """The examples `index` of a column, with padding columns that no selected example uses trimmed.
-
-    Non-tensor entries (sentence-transformers' `'modality'`) and 0-d tensors pass through unchanged.
-    Trailing padding is trimmed; leading padding too when the chunk is left-padded (decoder-only models:
-    every selected example ends at the last column). The chunk is then what tokenizing its texts alone
-    gives, the way sentence-transformers encodes a batch: a model that numbers positions from the first
-    column sees them shifted by the trimmed columns, which rotary positions (relative) do not feel.
-    """
-    if isinstance(column, torch.Tensor):
-        return column[index.to(column.device)]
-    if not isinstance(column, Mapping):
-        return [column[i] for i in index.tolist()]
-    chunk = {
-        key: value[index.to(value.device)] if isinstance(value, torch.Tensor) and value.dim() > 0 else value
-        for key, value in column.items()
-    }
-    mask = chunk.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.any():
-        width = mask.shape[1]
-        used = mask.any(dim=0).nonzero()
-        first = int(used.min()) if bool(mask[:, -1].all()) else 0
-        last = int(used.max()) + 1
-        for key, value in chunk.items():
-            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == width:
-                chunk[key] = value[:, first:last]
-    return chunk
-
-
-def tokenize_per_chunk(tokenize):
-    """`select` for columns of raw texts: `tokenize(texts)` runs on the texts of each chunk as it is encoded.
-
-    `tokenize` turns a list of texts into the encoder's input, padded to its longest (a sentence-transformers
-    model's `preprocess`, then a move to the device). A chunk is padded to its own longest text and the batch
-    is never tokenized as a whole, so host memory follows the batch's tokens. Give `gradcache_step` each
-    column's token counts (the tokenizer without padding) as `lengths`, to sort and budget the chunks.
-    """
-
-    def select(texts, index):
-        features = tokenize([texts[i] for i in index.tolist()])
-        # A plain dict: DDP looks for the output's tensors in dicts only, and a sentence-transformers model
-        # returns its input (a tokenizer's BatchEncoding) with its outputs added. Unseen, they would leave
-        # every parameter "unused" (find_unused_parameters) and then "marked ready twice".
-        return dict(features) if isinstance(features, Mapping) else features
-
-    return select
-
-
-def plan_chunks(column, chunk_size=None, sort_by_length=True, *, chunk_tokens=None, lengths=None):
-    """Index tensors splitting a column into chunks: of at most `chunk_size` examples, or of at most
-    `chunk_tokens` padded tokens (examples x the chunk's longest); exactly one of the two.
-
-    lengths:      tokens per example; by default counted from the attention mask of a features dict.
-    With `sort_by_length` and lengths, examples are ordered longest first (stable), so each chunk holds texts
-    of similar length and trims most of its padding; the longest chunk comes first, so a chunk size that
-    does not fit fails at once. A token budget takes, in that order, as many examples as fit; a chunk's
-    padded size is then its count x its first example's length. An example longer than the budget gets a
-    chunk of its own.
-    """
-    if (chunk_size is None) == (chunk_tokens is None):
-        raise ValueError("pass one of chunk_size (examples per chunk) and chunk_tokens (padded tokens).")
-    batch_size = batch_size_of(column)
-    lengths = example_lengths(column, lengths)
-    if lengths is None and chunk_tokens is not None:
-        raise ValueError(
-            "chunk_tokens needs each example's length: pass lengths= (tokens per example) for a column "
-            "without an attention mask, or use chunk_size."
-        )
-    if lengths is not None:
-        if lengths.shape != (batch_size,):
-            raise ValueError(f"lengths holds {lengths.numel()} values for a column of {batch_size} examples.")
-    if sort_by_length and lengths is not None:
-        order = torch.argsort(lengths, descending=True, stable=True)
-    else:
-        order = torch.arange(batch_size)
-    if chunk_tokens is None:
-        return list(order.split(chunk_size))
-    chunks, chunk, longest = [], [], 0
-    for example, length in zip(order.tolist(), lengths[order].tolist(), strict=True):
-        if chunk and (len(chunk) + 1) * max(longest, length) > chunk_tokens:
-            chunks.append(chunk)
-            chunk, longest = [], 0
-        chunk.append(example)
-        longest = max(longest, length)
-    return [torch.tensor(chunk) for chunk in [*chunks, chunk]]
-
-
-class Chunk(typing.NamedTuple):
-    """Examples `index` of column `column`, encoded in one forward. A padding chunk repeats one example
-    so that this process runs as many passes as the others: it is encoded and back-propagated with a zero
-    weight, and never enters the loss."""
-
-    column: int
-    index: torch.Tensor
-    padding: bool = False
-
-
-def plan_step(columns, limits, by_tokens, lengths, together, sort_by_length=True):
-    """The step's groups (what one backward covers), the same in number and shape on every process.
-
-    Each column is planned alone (`plan_chunks`), from this process's texts. Under ZeRO-2 and ZeRO-3 every
-    forward and backward is a collective, so the processes then agree on the number of chunks of every
-    column (the largest any of them planned: one all-reduce), and a process that planned fewer halves its
-    largest chunks, in tokens or examples, until it has as many: halving never exceeds the budget. A column
-    with fewer examples than chunks gets padding chunks.
-
-    A shared encoder back-propagates chunk by chunk: one group per chunk, column after column. Separate
-    towers (`together`) back-propagate one chunk of every column together, so every column holds the same
-    number of chunks: under ZeRO-3 every backward must reach every tower, or a tower's first gradient of
-    the step lands on a stale one (DeepSpeed issue #1355), and under DDP each backward must see the same
-    parameters on every process.
-    """
-    limit_name = "chunk_tokens" if by_tokens else "chunk_size"
-    counted = [
-        example_lengths(column, column_lengths)
-        for column, column_lengths in zip(columns, lengths, strict=True)
-    ]
-    plans = [
-        plan_chunks(column, sort_by_length=sort_by_length, lengths=column_lengths, **{limit_name: limit})
-        for column, limit, column_lengths in zip(columns, limits, counted, strict=True)
-    ]
-    counts = [max(map(len, plans))] * len(plans) if together else [len(plan) for plan in plans]
-    counts = largest_on_any_process(counts)
-    plans = [split_to(plan, count, sizes) for plan, count, sizes in zip(plans, counts, counted, strict=True)]
-    if together:
-        return [[Chunk(c, *plan[s]) for c, plan in enumerate(plans)] for s in range(counts[0])]
-    return [[Chunk(c, *chunk)] for c, plan in enumerate(plans) for chunk in plan]
-
-
-def example_lengths(column, lengths):
-    """Tokens per example: `lengths` as given, else from a features dict's attention mask, else None."""
-    mask = column.get("attention_mask") if isinstance(column, Mapping) else None
-    if lengths is None and isinstance(mask, torch.Tensor):
-        lengths = mask.sum(dim=1)
-    return None if lengths is None else torch.as_tensor(lengths).cpu()
-
-
-def split_to(plan, count, lengths):
-    """[(index, padding)]: `plan` with its largest chunks halved until it holds `count` chunks, then padding
-    chunks (its shortest example again) where every chunk is down to one example."""
-
-    def padded_size(chunk):
-        return len(chunk) * (1 if lengths is None else int(lengths[chunk].max()))
-
-    plan = list(plan)
-    while len(plan) < count:
-        largest = max(range(len(plan)), key=lambda s: padded_size(plan[s]))
-        chunk = plan[largest]
-        if len(chunk) == 1:
-            break
-        half = (len(chunk) + 1) // 2
-        plan[largest : largest + 1] = [chunk[:half], chunk[half:]]
-    padding = [(plan[-1][-1:], True)] * (count - len(plan))
-    return [(chunk, False) for chunk in plan] + padding
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Refusing what cannot be exact
-# ---------------------------------------------------------------------------------------------------------
-
-
-def check_examples_independent(module):
-    """Raise if `module` mixes examples across the batch (BatchNorm in training mode).
-
-    Such a layer computes different outputs for a chunk than for the full batch, so no chunked gradient
-    can equal the full-batch one. BatchNorm in eval mode uses running statistics and is fine.
-    """
-    mixing = [
-        name or type(module).__name__
-        for name, layer in module.named_modules()
-        if isinstance(layer, nn.modules.batchnorm._BatchNorm) and layer.training
-    ]
-    if mixing:
-        raise ValueError(
-            f"Gradient Cache cannot be exact: {', '.join(mixing)} normalizes over the batch, so a chunk sees "
-            "other statistics than the full batch. Put these layers in eval mode, replace them (LayerNorm), "
-            "or pass allow_batch_mixing=True to accept inexact gradients."
-        )
-
-
-# ---------------------------------------------------------------------------------------------------------
-# RNG replay: the re-encoding must draw the dropout masks of the first encoding
-# ---------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class RngState:
-    cpu: torch.Tensor
-    cuda: dict
-
-    @classmethod
-    def capture(cls, cuda_devices):
-        return cls(torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in cuda_devices})
-
-    @contextlib.contextmanager
-    def replay(self):
-        # fork_rng restores the outer state on exit, so replaying leaves the RNG where stage 1 left it.
-        with torch.random.fork_rng(devices=list(self.cuda)):
-            torch.set_rng_state(self.cpu)
-            for device, state in self.cuda.items():
-                torch.cuda.set_rng_state(state, device)
-            yield
-
-
-def cuda_devices_of(encoders, columns):
-    """The CUDA devices whose RNG a group's forward may draw from: its inputs', its encoders', the current."""
-    tensors = [
-        v for column in columns for v in (column.values() if isinstance(column, Mapping) else [column])
-    ]
-    tensors += [next(e.parameters(), None) for e in encoders if isinstance(e, nn.Module)]
-    devices = {t.device.index for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        devices.add(torch.cuda.current_device())
-    return sorted(devices)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Cross-process negatives
-# ---------------------------------------------------------------------------------------------------------
-
-
-def gather_from_all_processes(local):
-    """Every process's rows of `local` (detached), in rank order; ranks may hold different row counts."""
-    world_size = dist.get_world_size()
-    size = torch.tensor([len(local)], device=local.device)
-    sizes = [torch.empty_like(size) for _ in range(world_size)]
-    dist.all_gather(sizes, size)
-    rows = max(int(s) for s in sizes)
-    padded = torch.cat([local, local.new_zeros(rows - len(local), *local.shape[1:])])
-    gathered = [torch.empty_like(padded) for _ in range(world_size)]
-    dist.all_gather(gathered, padded.contiguous())
-    return [g[: int(s)] for g, s in zip(gathered, sizes, strict=True)]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Guards: a chunk that runs out of memory, a loss that is not finite. Every process takes the same decision,
-# or the others would wait forever in the next collective.
-# ---------------------------------------------------------------------------------------------------------
-
-
-class ChunkOutOfMemory(RuntimeError):
-    """A chunk did not fit. Nothing of the step is left in memory; gradients may hold part of it.
-
-    `agreed`: every process raised it together. When False this process ran out alone where the others may
-    be waiting in a collective it will never join (a synchronizing backward, or any pass under ZeRO-3): the
-    job cannot continue, only end.
-    """
-
-    def __init__(self, message, agreed=True):
-        super().__init__(message)
-        self.agreed = agreed
-
-
-def any_process(flag):
-    """True on every process if `flag` is True on any (a no-op without torch.distributed)."""
-    return bool(largest_on_any_process([int(flag)])[0])
-
-
-def largest_on_any_process(numbers):
-    """Each of `numbers` replaced by its largest value on any process: one all-reduce of a few ints."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return list(numbers)
-    largest = torch.tensor(numbers, dtype=torch.int64, device=collective_device())
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    return largest.tolist()
-
-
-def collective_device():
-    """Where the default process group takes its tensors: the CPU for gloo (and MPI), else the current
-    accelerator (NCCL refuses CPU tensors, whatever device the columns or the encoder live on)."""
-    backend = str(dist.get_backend())
-    if "gloo" in backend or backend == "mpi" or not torch.accelerator.is_available():
-        return torch.device("cpu")
-    accelerator = torch.accelerator.current_accelerator()
-    return torch.device(accelerator.type, torch.accelerator.current_device_index())
-
-
-def out_of_memory_error(limits, by_tokens, agreed=True):
-    def shown(values):
-        return values[0] if len(set(values)) == 1 else values
-
-    smaller = shown([max(limit // 2, 1) for limit in limits])
-    if by_tokens:
-        chunk, use = f"up to {shown(limits)} padded tokens", "chunk_tokens"
-    else:
-        chunk, use = f"{shown(limits)} examples", "chunk size"
-    return ChunkOutOfMemory(
-        f"a chunk of {chunk} ran out of memory (on this or another process). Use a {use} of {smaller} or "
-        "less: the batch, and so the gradients, stay the same; a step takes longer.",
-        agreed,
-    )
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The step
-# ---------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class StepReport:
-    loss: torch.Tensor  # detached full-batch loss (the global batch's with cross-process negatives)
-    num_chunks: int  # chunks encoded in stage 1, all columns together
-    num_reencoded: int  # chunks encoded again in stage 3 (num_chunks minus the reused group)
-    rep_grad_norm: float  # norm of the cached representation gradients, all columns together
-    skipped: bool = False  # the loss or its representation gradients were not finite: nothing back-propagated
-
-
-def gradcache_step(
-    encoders,
-    columns: Sequence,
-    loss_fn: Callable = contrastive_loss,
-    chunk_size=None,
-    *,
-    chunk_tokens=None,
-    lengths: Sequence | None = None,
-    backward: Callable = torch.Tensor.backward,
-    sync_context: Callable = lambda is_last: contextlib.nullcontext(),
-    get_rep: Callable = sentence_embedding,
-    select: Callable | Sequence[Callable] = select_examples,
-    sort_by_length: bool = True,
-    reuse_last_chunk: bool = True,
-    replay_rng: bool = True,
-    cross_process_negatives: bool = False,
-    allow_batch_mixing: bool = False,
-    agree_on_out_of_memory: bool = True,
-    encode_group: Callable | None = None,
-) -> StepReport:
-    """Accumulate into `.grad` the exact full-batch gradient of `loss_fn` over `columns`.
-
-    encoders:     one callable shared by all columns, or one per column (query and document towers),
-                  called on one chunk's input. None with `encode_group`.
-    encode_group: instead of `encoders`, one callable for a whole group: `encode_group(inputs, columns)`,
-                  with a list of chunk inputs and their column indices, returns their outputs. Towers under
-                  DDP need it: each DDP forward searches its own output for the parameters it used, so
-                  one backward must follow one forward that ran every tower. Groups are then those of
-                  separate towers (one chunk of every column).
-    columns:      the batch, one entry per text column (anchor, positive, hard negatives...), each a
-                  sentence-transformers features dict, a tensor, or what `select` understands (a list of
-                  texts with `select=tokenize_per_chunk(...)`).
-    loss_fn:      loss(*reps) -> scalar on the full batch of representations, in column order. Under
-                  cross-process negatives it is called as loss(*global_reps, local_rows=slice) and
-                  returns this process's share (`contrastive_loss` explains); a loss_fn without a
-                  `local_rows` argument is refused there.
-    chunk_size:   examples per chunk, an int or one per column; need not divide the batch. 32 by default.
-    chunk_tokens: instead of chunk_size, padded tokens per chunk (an int or one per column): a chunk takes
-                  as many examples, longest first, as fit, so its memory follows the budget, not the
-                  batch's longest text. An example longer than the budget is a chunk of its own.
-    lengths:      tokens per example, one sequence per column (or None): orders the chunks by length and
-                  counts their tokens. Default: from a features dict's attention mask.
-    select:       select(column, index) -> the encoder's input for those examples; one callable or one
-                  per column (e.g. `tokenize_per_chunk` with each column's prompt).
-    backward:     called once per chunk on a surrogate scalar: `accelerator.backward` under accelerate.
-    sync_context: `sync_context(is_last)` is entered around the forward and backward of each chunk that
-                  is back-propagated; only the last chunk of the batch gets `is_last=True`. See
-                  `accelerate_sync_context`.
-    cross_process_negatives: contrast each example with the representations of every process, with
-                  the parameter gradients of one process computing the global batch (assumes the
-                  backend averages gradients over processes, as DDP, FSDP and DeepSpeed do). Each
-                  process computes only its own rows of the loss (`global_batch_gradients`).
-    agree_on_out_of_memory: let every process learn of an out-of-memory before the next collective, so
-                  that all raise `ChunkOutOfMemory` together. False where the passes are collectives
-                  themselves (DeepSpeed ZeRO-3 gathers parameters in every forward, ZeRO-2/3 reduce in every
-                  backward): the process that ran out then raises at once, unagreed. An out-of-memory in the
-                  backward that synchronizes is never agreed on: the others are already in its all-reduce.
-    reuse_last_chunk, replay_rng, sort_by_length: the refinements; switching them off is for benchmarks
-                  and negative controls (without RNG replay, dropout makes the gradients wrong).
-    """
-    columns = list(columns)
-    together_call = encode_group is not None
-    if together_call:
-        encoders = [encode_group] * len(columns)
-    encoders = list(encoders) if isinstance(encoders, Sequence) else [encoders] * len(columns)
-    together = together_call or len({id(encoder) for encoder in encoders}) > 1
-    selects = list(select) if isinstance(select, Sequence) else [select] * len(columns)
-    if chunk_size is not None and chunk_tokens is not None:
-        raise ValueError(
-            "pass chunk_size or chunk_tokens, not both: a chunk is counted in examples or in padded tokens."
-        )
-    by_tokens = chunk_tokens is not None
-    limit = chunk_tokens if by_tokens else 32 if chunk_size is None else chunk_size
-    limits = list(limit) if isinstance(limit, Sequence) else [limit] * len(columns)
-    lengths = [None] * len(columns) if lengths is None else list(lengths)
-    check_step_arguments(encoders, columns, limits, by_tokens, lengths, allow_batch_mixing)
-    check_loss_takes_local_rows(loss_fn, cross_process_negatives)
-    groups = plan_step(columns, limits, by_tokens, lengths, together, sort_by_length)
-
-    def encode(group):
-        inputs = [selects[c](columns[c], index) for c, index, _ in group]
-        if together_call:
-            return [get_rep(output) for output in encode_group(inputs, [chunk.column for chunk in group])]
-        return [
-            get_rep(encoders[c](chunk_input)) for (c, _, _), chunk_input in zip(group, inputs, strict=True)
-        ]
-
-    reps = kept_reps = None
-    out_of_memory = alone = False  # alone: ran out where the other processes cannot learn of it
-    # The kept group's sync context stays open from its forward in stage 1 to its backward in stage 3.
-    with contextlib.ExitStack() as kept_sync:
-        # --- Stage 1: encode every chunk without grad; the last group keeps its graph for reuse. ---
-        # One fp32 buffer per column, in batch order, filled chunk by chunk: a single allocation, where
-        # a list of small chunk tensors would fragment the heap and keep it after stage 2 frees them.
-        cache = [None] * len(columns)
-        rng_states = []
-        try:
-            for g, group in enumerate(groups):
-                group_encoders = [encode_group] if together_call else [encoders[c] for c, _, _ in group]
-                devices = cuda_devices_of(group_encoders, [columns[c] for c, _, _ in group])
-                rng_states.append(RngState.capture(devices))
-                keep = reuse_last_chunk and g == len(groups) - 1
-                if keep:
-                    kept_sync.enter_context(sync_context(len(groups) == 1))
-                with torch.set_grad_enabled(keep):
-                    reps = encode(group)
-                for (c, index, padding), rep in zip(group, reps, strict=True):
-                    if cache[c] is None:
-                        size = (batch_size_of(columns[c]), *rep.shape[1:])
-                        cache[c] = torch.empty(size, dtype=torch.float32, device=rep.device)
-                    if not padding:
-                        cache[c][index.to(rep.device)] = rep.detach().float()
-                kept_reps = reps if keep else None
-        except torch.OutOfMemoryError:
-            out_of_memory = True  # raised below, outside the handler, whose traceback would pin the chunk
-        if out_of_memory and not agree_on_out_of_memory:
-            raise out_of_memory_error(limits, by_tokens, agreed=False)
-        if any_process(out_of_memory):
-            raise out_of_memory_error(limits, by_tokens)
-
-        # --- Stage 2: full-batch loss on detached fp32 representations, and its gradient cache. ---
-        loss, rep_grads = cache_representation_gradients(loss_fn, cache, cross_process_negatives)
-        report = StepReport(
-            loss=loss,
-            num_chunks=sum(len(group) for group in groups),
-            num_reencoded=sum(len(group) for group in groups)
-            - (len(groups[-1]) if kept_reps is not None else 0),
-            rep_grad_norm=float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in rep_grads]))),
-        )
-        finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(g).all()) for g in rep_grads)
-        if any_process(not finite):
-            report.skipped = True  # an optimizer step on these gradients would poison the weights
-            return report
-
-        # --- Stage 3: back-propagate the cache. The kept group goes first, its graph still alive from
-        # stage 1, so that at most one group's activations are held at a time.
-        to_reencode = groups[:-1] if kept_reps is not None else groups
-        if kept_reps is not None:
-            try:
-                backpropagate_cache(groups[-1], kept_reps, rep_grads, backward)
-            except torch.OutOfMemoryError:
-                out_of_memory, alone = True, len(groups) == 1 or not agree_on_out_of_memory
-            reps = kept_reps = None
-    for g, group in enumerate(to_reencode):
-        is_last = g == len(to_reencode) - 1
-        if out_of_memory and alone:
-            break
-        if is_last and agree_on_out_of_memory:  # agree before the backward that synchronizes
-            out_of_memory = any_process(out_of_memory)
-        if out_of_memory:
-            continue
-        try:
-            with sync_context(is_last):
-                with rng_states[g].replay() if replay_rng else contextlib.nullcontext():
-                    reps = encode(group)
-                backpropagate_cache(group, reps, rep_grads, backward)
-                reps = None
-        except torch.OutOfMemoryError:
-            out_of_memory, alone = True, is_last or not agree_on_out_of_memory
-    if out_of_memory:
-        raise out_of_memory_error(limits, by_tokens, agreed=not alone)
-    return report
-
-
-def cache_representation_gradients(loss_fn, cache, cross_process_negatives):
-    """Stage 2: the full-batch loss and dL/dr for every representation, in batch order, fp32, unscaled.
-
-    Empties `cache`: from here on the step holds the B x d gradients, not the representations too.
-    """
-    leaves = [reps.requires_grad_() for reps in cache]
-    cache.clear()
-    with torch.autocast(leaves[0].device.type, enabled=False), torch.enable_grad():
-        if spans_processes(cross_process_negatives):
-            return global_batch_gradients(loss_fn, leaves)
-        loss = check_scalar(loss_fn(*leaves))
-        return loss.detach(), gradients(loss, leaves)
-
-
-def global_batch_gradients(loss_fn, leaves):
-    """Stage 2 across processes: local rows against global columns.
-
-    Every process gathers every column of every process (detached) and computes only its own rows of the
-    loss, `loss_fn(*global_columns, local_rows=slice)`: its share L_r of the global loss, whose gradient
-    reaches its own rows and every other process's candidates. The gradient of a representation is the
-    sum over processes of dL_r/dr: one all-reduce carries all of them, and the shares of the loss. The
-    cost per process is O(B_local x B_global); no process holds B_global x B_global.
-    """
-    gathered = [gather_from_all_processes(leaf) for leaf in leaves]
-    sizes = [len(rows) for rows in gathered[0]]
-    first = sum(sizes[: dist.get_rank()])
-    local_rows = slice(first, first + sizes[dist.get_rank()])
-    batch = [torch.cat(rows).requires_grad_() for rows in gathered]
-    share = check_scalar(loss_fn(*batch, local_rows=local_rows))
-    grads = gradients(share, batch)
-    summed = torch.cat([share.detach().reshape(1), *[grad.flatten() for grad in grads]])
-    dist.all_reduce(summed)
-    loss, summed_grads = summed[0], summed[1:].split([grad.numel() for grad in grads])
-    # DDP and DeepSpeed average over processes: each holds 1/world of the global gradient, so scale back.
-    world_size = dist.get_world_size()
-    rep_grads = [
-        grad.view_as(rows)[local_rows] * world_size for grad, rows in zip(summed_grads, batch, strict=True)
-    ]
-    return loss, rep_grads
-
-
-def gradients(loss, inputs):
-    """d loss / d input for each input; zeros for an input the loss does not use."""
-    grads = torch.autograd.grad(loss, inputs, allow_unused=True)
-    return [torch.zeros_like(x) if grad is None else grad for x, grad in zip(inputs, grads, strict=True)]
-
-
-def spans_processes(cross_process_negatives):
-    return cross_process_negatives and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def check_scalar(loss):
-    if loss.dim() != 0:
-        raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}; reduce it (mean).")
-    return loss
-
-
-def check_loss_takes_local_rows(loss_fn, cross_process_negatives):
-    """Under cross-process negatives stage 2 calls loss_fn(*global_columns, local_rows=slice)."""
-    if not spans_processes(cross_process_negatives):
-        return
-    try:
-        parameters = inspect.signature(loss_fn).parameters.values()
-    except (TypeError, ValueError):
-        parameters = []
-    if not any(p.name == "local_rows" or p.kind is p.VAR_KEYWORD for p in parameters):
-        raise ValueError(
-            "with cross_process_negatives each process computes only its own rows of the loss, so loss_fn "
-            "must accept `local_rows` (a slice of the global batch's rows) and return those rows' terms "
-            "divided by the global batch size, as contrastive_loss does. Add that argument to your loss, "
-            "or pass cross_process_negatives=False."
-        )
-
-
-def backpropagate_cache(group, reps, rep_grads, backward):
-    """Stage 3 for one group: backward of the surrogate sum <r, dL/dr>; its gradient is the group's share.
-
-    A padding chunk enters with a zero weight: its backward reaches the same parameters as the others'."""
-    # fp32 with autocast off: the representation gradients are unscaled, `backward` scales (fp16) once.
-    with torch.autocast(reps[0].device.type, enabled=False):
-        surrogate = sum(
-            rep.float().sum() * 0.0 if padding else (rep.float() * rep_grads[c][index.to(rep.device)]).sum()
-            for (c, index, padding), rep in zip(group, reps, strict=True)
-        )
-    backward(surrogate)
-
-
-def check_step_arguments(encoders, columns, limits, by_tokens, lengths, allow_batch_mixing):
-    if not columns:
-        raise ValueError("columns is empty: pass at least an anchor and a positive column.")
-    if len(encoders) != len(columns):
-        raise ValueError(
-            f"{len(encoders)} encoders for {len(columns)} columns: pass one shared or one per column."
-        )
-    name, what = ("chunk_tokens", "token budgets") if by_tokens else ("chunk_size", "chunk sizes")
-    if len(limits) != len(columns):
-        raise ValueError(f"{len(limits)} {what} for {len(columns)} columns: pass one int or one per column.")
-    for limit in limits:
-        if not isinstance(limit, int) or limit <= 0:
-            raise ValueError(f"{name} must be a positive int, got {limit!r}.")
-    if len(lengths) != len(columns):
-        raise ValueError(f"lengths for {len(lengths)} columns, the batch has {len(columns)}: one per column.")
-    sizes = [batch_size_of(column) for column in columns]
-    if sizes[0] == 0:
-        raise ValueError("the batch is empty: every column needs at least one example.")
-    if len(set(sizes)) > 1:
-        raise ValueError(
-            f"columns hold different numbers of examples {sizes}: every column needs one per row."
-        )
-    if not allow_batch_mixing:
-        for encoder in {id(e): e for e in encoders}.values():
-            if isinstance(encoder, nn.Module):
-                check_examples_independent(encoder)
 
 
 # ---------------------------------------------------------------------------------------------------------

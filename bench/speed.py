@@ -75,7 +75,7 @@ PARTS = (
     "optimizer (AdamW)",
     "backward and the rest",
 )
-# name -> (method, gradcache_step flags, chunked by the token budget rather than by chunk_size)
+# name -> (method, gradcache.refinements switched off, chunked by the token budget rather than by chunk_size)
 VARIANTS = {
     "plain": ("plain", {}, False),
     "ST cached": ("st", {}, False),
@@ -178,14 +178,19 @@ def variant_max_batch(name, args):
 
 
 def make_variant_step(name, model, args, clock):
-    method, flags, by_tokens = VARIANTS[name]
+    method, switches, by_tokens = VARIANTS[name]
     chunk_tokens = args.chunk_tokens if by_tokens else None
     if method != "ours":
         return harness.make_step(method, model, args.chunk_size, chunk_tokens)
-    kwargs = clock.wrap_ours(flags)
+    kwargs = clock.wrap_ours({})
     loss_fn = kwargs.pop("loss_fn")
     chunks = harness.chunking(args.chunk_size, chunk_tokens)
-    return lambda features: gradcache.gradcache_step(model, features, loss_fn, **chunks, **kwargs).loss
+
+    def step(features):
+        with gradcache.refinements(**switches):
+            return gradcache.gradcache_step(model, features, loss_fn, **chunks, **kwargs).loss
+
+    return step
 
 
 def check_agreement(model, features, chunk_size):

@@ -49,9 +49,10 @@ def main(case, out_dir):
 
     outcome = {}
     try:
-        report = gradcache.gradcache_step(
-            model, make_batch(1, seed=rank), loss_fn, 4, sync_context=sync_context, reuse_last_chunk=False
-        )
+        with gradcache.refinements(reuse_last_chunk=False):
+            report = gradcache.gradcache_step(
+                model, make_batch(1, seed=rank), loss_fn, 4, sync_context=sync_context
+            )
         outcome = {"skipped": report.skipped, "has_grad": any(p.grad is not None for p in model.parameters())}
     except gradcache.ChunkOutOfMemory as error:
         outcome = {"error": str(error)}

@@ -86,7 +86,7 @@ def max_relative_difference(modules, reference_modules):
     return max(float((p - q).abs().max()) / max(float(q.abs().max()), floor) for p, q in pairs)
 
 
-def run_both(towers, num_negatives, chunk_size, dropout, symmetric, **step_options):
+def run_both(towers, num_negatives, chunk_size, dropout, symmetric):
     """(max relative gradient difference, loss difference) of gradcache_step against its reference."""
     loss_fn = functools.partial(gradcache.contrastive_loss, symmetric=symmetric)
     columns = make_batch(num_negatives)
@@ -97,7 +97,7 @@ def run_both(towers, num_negatives, chunk_size, dropout, symmetric, **step_optio
 
     torch.manual_seed(1)
     recorder = StageOneRecorder()
-    report = recorder.step(query if not towers else encoders, columns, loss_fn, chunk_size, **step_options)
+    report = recorder.step(query if not towers else encoders, columns, loss_fn, chunk_size)
     if dropout:
         ref_loss = recorder.replay(ref_encoders, loss_fn)
     else:
@@ -150,7 +150,8 @@ def test_user_loss_and_plain_tensor_inputs():
 
 
 def test_without_rng_replay_dropout_makes_gradients_wrong():
-    difference, _ = run_both(False, 1, 4, dropout=0.2, symmetric=False, replay_rng=False)
+    with gradcache.refinements(replay_rng=False):
+        difference, _ = run_both(False, 1, 4, dropout=0.2, symmetric=False)
     assert difference > 100 * TOLERANCE
 
 
@@ -188,7 +189,8 @@ def test_last_chunk_is_reused_not_recomputed(reuse):
     reference = copy.deepcopy(encoder.encoder)
     torch.manual_seed(1)
     recorder = StageOneRecorder()
-    report = recorder.step(encoder, columns, gradcache.contrastive_loss, 5, reuse_last_chunk=reuse)
+    with gradcache.refinements(reuse_last_chunk=reuse):
+        report = recorder.step(encoder, columns, gradcache.contrastive_loss, 5)
     recorder.replay([reference, reference], gradcache.contrastive_loss)
 
     chunks = 2 * 3  # two columns of 12 in chunks of 5
