@@ -752,6 +752,8 @@ def contrastive_loss(
     matryoshka_dims=None,
     matryoshka_weights=None,
     local_rows=None,
+    false_negatives=None,
+    stats=None,
 ):
     """In-batch-negatives InfoNCE (MultipleNegativesRankingLoss), computed tile by tile.
 
@@ -774,38 +776,114 @@ def contrastive_loss(
                        call computes, still divided by the whole B: the share of one process under
                        cross-process negatives (the candidates are every process's), so that the shares
                        of all processes sum to L. None computes every row.
+    false_negatives:   a `FalseNegatives`: candidates of a row that are not negatives leave its softmax
+                       (tile by tile, never B x N); the row's own target always stays.
+    stats:             a dict that receives "masked_fraction": the share of candidates (targets left
+                       out) that `false_negatives` masked, over every direction and Matryoshka size.
     """
     if similarity not in ("cos", "dot"):
         raise ValueError(f"similarity must be 'cos' or 'dot', got {similarity!r}")
     rows = slice(0, len(anchor)) if local_rows is None else local_rows
     columns = [anchor, positive, *negatives]
+    counts = [0, 0]  # candidates masked, candidates seen
+    options = dict(scale=scale, symmetric=symmetric, rows=rows, tile_size=tile_size)
+    options |= dict(false_negatives=false_negatives, counts=counts)
     if matryoshka_dims is None:
         if similarity == "cos":
             columns = [F.normalize(column, dim=-1) for column in columns]
-        return info_nce(*columns, scale=scale, symmetric=symmetric, rows=rows, tile_size=tile_size)
-    weights = check_matryoshka(matryoshka_dims, matryoshka_weights, anchor.shape[-1])
-    return sum(
-        weight
-        * info_nce(
-            *[F.normalize(column[:, :dim], dim=-1) for column in columns],
-            scale=scale,
-            symmetric=symmetric,
-            rows=rows,
-            tile_size=tile_size,
+        loss = info_nce(*columns, **options)
+    else:
+        weights = check_matryoshka(matryoshka_dims, matryoshka_weights, anchor.shape[-1])
+        loss = sum(
+            weight * info_nce(*[F.normalize(column[:, :dim], dim=-1) for column in columns], **options)
+            for dim, weight in zip(matryoshka_dims, weights, strict=True)
         )
-        for dim, weight in zip(matryoshka_dims, weights, strict=True)
-    )
+    if stats is not None:
+        stats["masked_fraction"] = float(counts[0]) / max(counts[1], 1)
+    return loss
 
 
-def info_nce(anchor, positive, *negatives, scale, symmetric, rows, tile_size):
+def info_nce(anchor, positive, *negatives, scale, symmetric, rows, tile_size, false_negatives, counts):
     """L of `contrastive_loss` on representations as they are (already normalized for cosine)."""
     first_row = rows.start or 0  # the global index of the first local row is also that of its positive
     candidates = torch.cat([positive, *negatives])
-    loss = tiled_cross_entropy(anchor[rows], candidates, first_row, scale, tile_size).sum() / len(anchor)
+    masks = [None, None]
+    if false_negatives is not None:
+        masks = false_negatives.tile_masks(anchor, positive, len(negatives), rows, scale)
+    loss = tiled_cross_entropy(anchor[rows], candidates, first_row, scale, tile_size, masks[0])
+    loss = loss.sum() / len(anchor)
     if symmetric:
-        reverse = tiled_cross_entropy(positive[rows], anchor, first_row, scale, tile_size).sum() / len(anchor)
-        loss = (loss + reverse) / 2
+        reverse = tiled_cross_entropy(positive[rows], anchor, first_row, scale, tile_size, masks[1])
+        loss = (loss + reverse.sum() / len(anchor)) / 2
+    for mask in filter(None, masks[: 1 + symmetric]):
+        counts[0], counts[1] = counts[0] + mask.masked, counts[1] + mask.seen
     return loss
+
+
+@dataclasses.dataclass
+class FalseNegatives:
+    """Which in-batch candidates are not negatives of a row, by identity and by margin.
+
+    As the batch grows, duplicates and near-duplicates of a row's positive sit among its "negatives"; the
+    loss then pushes the anchor away from right answers. Masked candidates leave the row's softmax.
+
+    ids:      one integer tensor per column of the global batch, an id per text (equal texts, equal ids:
+              a hash of the text), all >= 0. A candidate is masked where it repeats the row's positive, or
+              where it is the positive of a row whose anchor repeats this row's anchor (in the reverse
+              direction: an anchor that repeats the row's anchor, or whose positive repeats the row's).
+    margin:   mask candidates whose similarity exceeds the row's positive similarity + margin (absolute,
+              Qwen3-Embedding's 0.1), or `margin` x it (`relative`: NV-Retriever's 0.95). The threshold is
+              detached: it chooses the mask, it is not trained.
+    """
+
+    ids: Sequence | None = None
+    margin: float | None = None
+    relative: bool = False
+
+    def tile_masks(self, anchor, positive, num_negatives, rows, scale):
+        """The masks of the two directions: anchors against candidates, positives against anchors."""
+        query_ids = key_ids = reverse_query_ids = reverse_key_ids = thresholds = None
+        if self.ids is not None:
+            anchor_ids, positive_ids, *negative_ids = [
+                torch.as_tensor(i, device=anchor.device) for i in self.ids
+            ]
+            if len(negative_ids) != num_negatives or any(len(i) != len(anchor) for i in self.ids):
+                raise ValueError("FalseNegatives.ids needs one id per text of every column of the batch.")
+            unpaired = [torch.stack([ids, torch.full_like(ids, -1)], 1) for ids in negative_ids]
+            query_ids = torch.stack([anchor_ids, positive_ids], 1)[rows]  # (own id, target's id)
+            key_ids = torch.cat([torch.stack([positive_ids, anchor_ids], 1), *unpaired])
+            reverse_query_ids = torch.stack([positive_ids, anchor_ids], 1)[rows]
+            reverse_key_ids = torch.stack([anchor_ids, positive_ids], 1)
+        if self.margin is not None:
+            with torch.no_grad():
+                positive_similarity = (anchor[rows] * positive[rows]).sum(dim=-1)
+                margin = self.margin
+                thresholds = positive_similarity * margin if self.relative else positive_similarity + margin
+                thresholds = thresholds * scale  # tiles hold scaled scores
+        return TileMask(query_ids, key_ids, thresholds), TileMask(
+            reverse_query_ids, reverse_key_ids, thresholds
+        )
+
+
+@dataclasses.dataclass
+class TileMask:
+    """The entries of a score tile that leave the softmax: built the same way in forward and backward."""
+
+    query_ids: torch.Tensor | None  # per query row: (its own id, its target's id)
+    key_ids: torch.Tensor | None  # per key: (its id, the id of the text it is the target of, or -1)
+    thresholds: torch.Tensor | None  # per query row, in scaled scores
+    masked: torch.Tensor | int = 0  # counted in forward
+    seen: int = 0
+
+    def __call__(self, scores, rows, columns, local, targets):
+        mask = torch.zeros_like(scores, dtype=torch.bool)
+        if self.query_ids is not None:
+            queries, keys = self.query_ids[rows], self.key_ids[columns]
+            mask |= (keys[None, :, 0] == queries[:, None, 1]) | (keys[None, :, 1] == queries[:, None, 0])
+        if self.thresholds is not None:
+            mask |= scores > self.thresholds[rows, None]
+        mask[local, targets] = False
+        return mask
 
 
 def check_matryoshka(dims, weights, width):
@@ -835,10 +913,11 @@ def default_tile_size(rows, columns):
     return max(1, min(2048, max(rows, columns)))
 
 
-def tiled_cross_entropy(queries, keys, first_target, scale, tile_size=None):
-    """Per row i: LSE_j(s_ij) - s_i,t(i), s_ij = tau <q_i, k_j>, t(i) = first_target + i; never B x N."""
+def tiled_cross_entropy(queries, keys, first_target, scale, tile_size=None, mask=None):
+    """Per row i: LSE_j(s_ij) - s_i,t(i), s_ij = tau <q_i, k_j>, t(i) = first_target + i; never B x N.
+    A `TileMask` leaves entries out of the log-sum-exp (never the targets)."""
     tile_size = tile_size or default_tile_size(len(queries), len(keys))
-    return TiledCrossEntropy.apply(queries, keys, int(first_target), float(scale), int(tile_size))
+    return TiledCrossEntropy.apply(queries, keys, int(first_target), float(scale), int(tile_size), mask)
 
 
 class TiledCrossEntropy(torch.autograd.Function):
@@ -859,21 +938,28 @@ class TiledCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, queries, keys, first_target, scale, tile_size):
+    def forward(ctx, queries, keys, first_target, scale, tile_size, mask=None):
         scaled = queries * scale
-        row_max = torch.full((len(queries),), -torch.inf, dtype=queries.dtype, device=queries.device)
+        # The lowest finite number, not -inf: a row whose tile is all masked must give exp(-inf - max) = 0.
+        lowest = torch.finfo(queries.dtype).min
+        row_max = torch.full((len(queries),), lowest, dtype=queries.dtype, device=queries.device)
         row_sum = torch.zeros_like(row_max)
         target_scores = torch.zeros_like(row_max)
         for i, j, rows, columns in tiles(len(queries), len(keys), tile_size):
             scores = scaled[rows] @ keys[columns].T
             local, targets = targets_in_tile(i, j, scores.shape, first_target, queries.device)
             target_scores[i + local] = scores[local, targets]
+            if mask is not None:
+                masked = mask(scores, rows, columns, local, targets)
+                scores.masked_fill_(masked, -torch.inf)
+                mask.masked = mask.masked + masked.sum()  # a tensor: no device sync per tile
+                mask.seen += scores.numel() - len(local)
             new_max = torch.maximum(row_max[rows], scores.amax(dim=1))
             rescale = torch.exp(row_max[rows] - new_max)
             row_sum[rows] = row_sum[rows] * rescale + scores.sub_(new_max[:, None]).exp_().sum(dim=1)
             row_max[rows] = new_max
         ctx.save_for_backward(queries, keys, row_max, row_sum)
-        ctx.first_target, ctx.scale, ctx.tile_size = first_target, scale, tile_size
+        ctx.first_target, ctx.scale, ctx.tile_size, ctx.mask = first_target, scale, tile_size, mask
         return row_sum.log() - (target_scores - row_max)
 
     @staticmethod
@@ -883,13 +969,17 @@ class TiledCrossEntropy(torch.autograd.Function):
         grad_over_sum = grad_rows / row_sum  # g_i P_ij = exp(s_ij - m_i) g_i / l_i: one pass less
         grad_queries, grad_keys = torch.zeros_like(queries), torch.zeros_like(keys)
         for i, j, rows, columns in tiles(len(queries), len(keys), ctx.tile_size):
-            weights = (scaled[rows] @ keys[columns].T).sub_(row_max[rows, None]).exp_()
-            weights.mul_(grad_over_sum[rows, None])
-            local, targets = targets_in_tile(i, j, weights.shape, ctx.first_target, queries.device)
+            scores = scaled[rows] @ keys[columns].T
+            local, targets = targets_in_tile(i, j, scores.shape, ctx.first_target, queries.device)
+            if (
+                ctx.mask is not None
+            ):  # the forward's mask, from the same scores: masked entries get no gradient
+                scores.masked_fill_(ctx.mask(scores, rows, columns, local, targets), -torch.inf)
+            weights = scores.sub_(row_max[rows, None]).exp_().mul_(grad_over_sum[rows, None])
             weights[local, targets] -= grad_rows[i + local]
             grad_queries[rows].addmm_(weights, keys[columns], alpha=ctx.scale)
             grad_keys[columns].addmm_(weights.T, scaled[rows])
-        return grad_queries, grad_keys, None, None, None
+        return grad_queries, grad_keys, None, None, None, None
 
 
 def tiles(num_rows, num_columns, tile_size):

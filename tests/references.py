@@ -113,3 +113,51 @@ class StageOneRecorder:
         loss = loss_fn(*reps)
         loss.backward()
         return loss.detach()
+
+
+def masked_contrastive_loss(anchor, positive, *negatives, scale=20.0, symmetric=False, ids=None, margin=None,
+                            relative=False):  # fmt: skip
+    """InfoNCE (cosine) through the full score matrix, with false negatives masked by a direct rule, entry
+    by entry: returns (loss, fraction of non-target candidates masked).
+
+    Row i's candidate j (never its own target) is masked when its text repeats row i's positive, when it is
+    the positive of a row whose anchor repeats row i's anchor, or when its similarity exceeds row i's
+    positive similarity + margin (x margin if relative). The reverse direction (positive i against every
+    anchor j) masks an anchor that repeats anchor i or whose positive repeats positive i, and the same margin.
+    """
+    columns = [F.normalize(column, dim=-1) for column in (anchor, positive, *negatives)]
+    anchor, positive = columns[:2]
+    batch = len(anchor)
+    candidates = torch.cat(columns[1:])
+    id_of = None if ids is None else [int(i) for column in ids[1:] for i in column]  # candidate ids
+    positive_similarity = (anchor * positive).sum(dim=-1).detach()
+
+    def threshold(i):
+        return positive_similarity[i] * margin if relative else positive_similarity[i] + margin
+
+    def masked(similarity, i, j, is_duplicate):
+        if j == i:
+            return False
+        return bool(ids is not None and is_duplicate(i, j)) or bool(
+            margin is not None and similarity > threshold(i)
+        )
+
+    def forward_duplicate(i, j):
+        return id_of[j] == int(ids[1][i]) or (j < batch and int(ids[0][j]) == int(ids[0][i]))
+
+    def reverse_duplicate(i, j):
+        return int(ids[0][j]) == int(ids[0][i]) or int(ids[1][j]) == int(ids[1][i])
+
+    directions = [(anchor, candidates, forward_duplicate)]
+    if symmetric:
+        directions.append((positive, anchor, reverse_duplicate))
+    losses, masked_count, seen = [], 0, 0
+    labels = torch.arange(batch)
+    for queries, keys, is_duplicate in directions:
+        similarity = queries @ keys.T
+        mask = torch.tensor(
+            [[masked(similarity[i, j], i, j, is_duplicate) for j in range(len(keys))] for i in range(batch)]
+        )
+        losses.append(F.cross_entropy((scale * similarity).masked_fill(mask, -torch.inf), labels))
+        masked_count, seen = masked_count + int(mask.sum()), seen + batch * (len(keys) - 1)
+    return sum(losses) / len(losses), masked_count / seen

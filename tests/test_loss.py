@@ -14,7 +14,7 @@ import functools
 
 import pytest
 import torch
-from references import materialized_contrastive_loss
+from references import masked_contrastive_loss, materialized_contrastive_loss
 from test_gradcache import max_relative_difference, random_texts, tiny_sentence_transformer
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -217,3 +217,77 @@ def test_train_matryoshka_and_tile_arguments(capsys):
         "[768] larger than the model's 384 dimensions",
     )
     train.check_matryoshka_dims((384, 64), 384)
+
+
+# ---- false negatives masked inside the tiled loss ----
+
+
+def reps_with_near_duplicates(num_negatives, batch=BATCH, seed=0):
+    """Positives near their anchors (cosine about 0.7), and the first hard negatives of the batch close to
+    the next row's positive: near-duplicates that a margin should find."""
+    generator = torch.Generator().manual_seed(seed)
+    anchor = torch.randn(batch, WIDTH, generator=generator)
+    positive = anchor + torch.randn(batch, WIDTH, generator=generator)
+    negatives = [torch.randn(batch, WIDTH, generator=generator) for _ in range(num_negatives)]
+    negatives[0][:12] = positive[1:13] + 0.1 * torch.randn(12, WIDTH, generator=generator)
+    return [column.requires_grad_() for column in (anchor, positive, *negatives)]
+
+
+def duplicated_ids(num_negatives, batch=BATCH, seed=0):
+    """Text ids with repeats planted: some positives repeat other rows' positives or negatives, some anchors
+    repeat other anchors."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = [torch.arange(batch) + 1000 * column for column in range(2 + num_negatives)]
+    for column in range(2 + num_negatives):
+        repeats = torch.randint(0, batch, (6,), generator=generator)
+        ids[column][repeats[:3]] = ids[column][repeats[3:]]  # a few repeats within the column
+    ids[1][:4] = ids[-1][10:14]  # positives that come again as hard negatives of other rows
+    return ids
+
+
+@pytest.mark.parametrize("tile_size", [5, None], ids=["tile-5", "tile-automatic"])
+@pytest.mark.parametrize("symmetric", [False, True], ids=["one-way", "symmetric"])
+@pytest.mark.parametrize(
+    "by", ["ids", "margin", "relative-margin", "ids-and-margin"], ids=lambda by: f"by-{by}"
+)
+def test_false_negatives_masked_tile_by_tile_equal_the_masked_matrix(by, symmetric, tile_size):
+    reps = reps_with_near_duplicates(2)
+    ids = duplicated_ids(2) if "ids" in by else None
+    # Qwen3-Embedding masks above the positive + 0.1, GIST above the positive - margin, NV-Retriever above
+    # 95% of it: with random negatives only the planted near-duplicates come close to either.
+    margin = {"ids": None, "margin": -0.1, "relative-margin": 0.95, "ids-and-margin": -0.1}[by]
+    relative = by == "relative-margin"
+    stats = {}
+    spec = gradcache.FalseNegatives(ids=ids, margin=margin, relative=relative)
+    tiled = value_and_gradients(
+        gradcache.contrastive_loss, reps, symmetric=symmetric, tile_size=tile_size, false_negatives=spec,
+        stats=stats,
+    )  # fmt: skip
+    reference_stats = {}
+
+    def reference(*columns):
+        loss, reference_stats["masked_fraction"] = masked_contrastive_loss(
+            *columns, symmetric=symmetric, ids=ids, margin=margin, relative=relative
+        )
+        return loss
+
+    assert_close(tiled, value_and_gradients(reference, reps))
+    assert stats["masked_fraction"] == pytest.approx(reference_stats["masked_fraction"], abs=1e-12)
+    assert 0 < stats["masked_fraction"] < 0.05  # the planted repeats and near-duplicates, not the rest
+    unmasked = value_and_gradients(gradcache.contrastive_loss, reps, symmetric=symmetric)
+    assert abs(float(tiled[0] - unmasked[0])) > 1e-3  # and masking changes the loss
+
+
+def test_masked_local_rows_sum_to_the_whole_masked_loss():
+    """Across processes each computes its own rows against every candidate: ids and thresholds are global."""
+    reps = reps_with_near_duplicates(1)
+    spec = gradcache.FalseNegatives(ids=duplicated_ids(1), margin=-0.1)
+    loss_fn = functools.partial(gradcache.contrastive_loss, symmetric=True, tile_size=6, false_negatives=spec)
+    shares = [
+        value_and_gradients(loss_fn, reps, local_rows=slice(a, b)) for a, b in [(0, 13), (13, 30), (30, 37)]
+    ]
+    summed = (
+        sum(loss for loss, _ in shares),
+        [sum(grads) for grads in zip(*[g for _, g in shares], strict=True)],
+    )
+    assert_close(summed, value_and_gradients(loss_fn, reps))
