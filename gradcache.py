@@ -754,6 +754,9 @@ def contrastive_loss(
     local_rows=None,
     false_negatives=None,
     stats=None,
+    teacher_scores=None,
+    distill_weight=1.0,
+    distill_temperature=1.0,
 ):
     """In-batch-negatives InfoNCE (MultipleNegativesRankingLoss), computed tile by tile.
 
@@ -780,6 +783,11 @@ def contrastive_loss(
                        (tile by tile, never B x N); the row's own target always stays.
     stats:             a dict that receives "masked_fraction": the share of candidates (targets left
                        out) that `false_negatives` masked, over every direction and Matryoshka size.
+    teacher_scores:    B x (1 + k) scores of a teacher (a cross-encoder) for each anchor's positive and hard
+                       negatives: adds distill_weight x the KL divergence from the teacher's softmax to the
+                       student's over each anchor's own group, both at `distill_temperature` (the student's
+                       scores are tau <a_i, c>), as FlagEmbedding and tevatron distil. On the full
+                       representation, also with Matryoshka.
     """
     if similarity not in ("cos", "dot"):
         raise ValueError(f"similarity must be 'cos' or 'dot', got {similarity!r}")
@@ -800,7 +808,26 @@ def contrastive_loss(
         )
     if stats is not None:
         stats["masked_fraction"] = float(counts[0]) / max(counts[1], 1)
+    if teacher_scores is not None:
+        full = (
+            [F.normalize(c, dim=-1) for c in (anchor, positive, *negatives)] if similarity == "cos" else None
+        )
+        student = group_scores(*(full or (anchor, positive, *negatives)), rows=rows) * scale
+        teacher = torch.as_tensor(teacher_scores, dtype=student.dtype, device=student.device)[rows]
+        loss = loss + distill_weight * distillation(student, teacher, distill_temperature) / len(anchor)
     return loss
+
+
+def group_scores(anchor, positive, *negatives, rows):
+    """<a_i, c> for each anchor's own group only (its positive, then its hard negatives): rows x (1 + k)."""
+    group = torch.stack([positive[rows], *[negative[rows] for negative in negatives]], dim=1)
+    return (anchor[rows, None, :] * group).sum(dim=-1)
+
+
+def distillation(student, teacher, temperature):
+    """sum over rows of KL(softmax(teacher / T) || softmax(student / T)), over each row's group."""
+    student, teacher = F.log_softmax(student / temperature, -1), F.log_softmax(teacher / temperature, -1)
+    return F.kl_div(student, teacher, log_target=True, reduction="sum")
 
 
 def info_nce(anchor, positive, *negatives, scale, symmetric, rows, tile_size, false_negatives, counts):

@@ -14,6 +14,7 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from references import masked_contrastive_loss, materialized_contrastive_loss
 from test_gradcache import max_relative_difference, random_texts, tiny_sentence_transformer
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -291,3 +292,38 @@ def test_masked_local_rows_sum_to_the_whole_masked_loss():
         [sum(grads) for grads in zip(*[g for _, g in shares], strict=True)],
     )
     assert_close(summed, value_and_gradients(loss_fn, reps))
+
+
+# ---- distillation from teacher scores ----
+
+
+def kl_reference(anchor, positive, *negatives, teacher, scale, temperature, weight):
+    """The distillation term row by row, from its definition: KL(p_teacher || p_student) over each anchor's
+    own positive and hard negatives, the student's scores the scaled cosines, both softmaxes at T."""
+    anchor, *candidates = [F.normalize(column, dim=-1) for column in (anchor, positive, *negatives)]
+    total = 0
+    for i in range(len(anchor)):
+        student = torch.stack([scale * (anchor[i] @ column[i]) for column in candidates]) / temperature
+        p_teacher = torch.softmax(torch.as_tensor(teacher[i]) / temperature, 0)
+        total = total + (p_teacher * (p_teacher.log() - torch.log_softmax(student, 0))).sum()
+    return weight * total / len(anchor)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_distillation_adds_the_kl_to_the_teacher_over_each_group(temperature):
+    reps = make_reps(3)
+    teacher = torch.randn(BATCH, 4, generator=torch.Generator().manual_seed(5)) * 3
+    options = dict(teacher_scores=teacher, distill_weight=0.7, distill_temperature=temperature, tile_size=6)
+    distilled = value_and_gradients(gradcache.contrastive_loss, reps, **options)
+
+    def reference(*columns):
+        kl = kl_reference(*columns, teacher=teacher, scale=20.0, temperature=temperature, weight=0.7)
+        return materialized_contrastive_loss(*columns) + kl
+
+    assert_close(distilled, value_and_gradients(reference, reps))
+    shares = [
+        value_and_gradients(gradcache.contrastive_loss, reps, local_rows=slice(a, b), **options)
+        for a, b in [(0, 20), (20, 37)]
+    ]
+    summed = (sum(loss for loss, _ in shares), [sum(g) for g in zip(*[g for _, g in shares], strict=True)])
+    assert_close(summed, distilled)  # across processes each computes its own rows' share
