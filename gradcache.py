@@ -413,10 +413,11 @@ def split_to(plan, count, lengths):
 
     plan = list(plan)
     while len(plan) < count:
-        largest = max(range(len(plan)), key=lambda s: padded_size(plan[s]))
-        chunk = plan[largest]
-        if len(chunk) == 1:
+        splittable = [s for s, chunk in enumerate(plan) if len(chunk) > 1]
+        if not splittable:
             break
+        largest = max(splittable, key=lambda s: padded_size(plan[s]))
+        chunk = plan[largest]
         half = (len(chunk) + 1) // 2
         plan[largest : largest + 1] = [chunk[:half], chunk[half:]]
     padding = [(plan[-1][-1:], True)] * (count - len(plan))

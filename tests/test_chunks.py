@@ -259,3 +259,38 @@ def test_train_takes_chunk_size_or_chunk_tokens_not_both(capsys):
         with pytest.raises(SystemExit):
             train.parse_args(argv)
         assert message in capsys.readouterr().err
+
+
+# ---- one plan for every process ----
+
+
+@pytest.mark.parametrize("budget", [None, 30, 7], ids=["chunk-size-3", "tokens-30", "tokens-7"])
+@pytest.mark.parametrize("extra", [0, 2, 9, 40], ids=lambda n: f"others-plan-{n}-more")
+@pytest.mark.parametrize("together", [False, True], ids=["shared", "towers"])
+def test_a_process_that_planned_fewer_chunks_splits_its_largest_and_stays_in_budget(
+    monkeypatch, budget, extra, together
+):
+    """Another process planned `extra` more chunks per column (the all-reduce is stood in for): this one
+    reaches the agreed count by halving its largest chunks, never over the budget, and pads only when every
+    chunk is down to one example."""
+    generator = torch.Generator().manual_seed(extra)
+    lengths = [torch.randint(1, 12, (size,), generator=generator) for size in (9, 9, 9)]
+    columns = [list(range(9))] * 3
+    limits, by_tokens = [budget or 3] * 3, budget is not None
+    own = gradcache.plan_step(columns, limits, by_tokens, lengths, together)
+    monkeypatch.setattr(gradcache, "largest_on_any_process", lambda counts: [n + extra for n in counts])
+    agreed = gradcache.plan_step(columns, limits, by_tokens, lengths, together)
+
+    assert len(agreed) == len(own) + (extra if together else 3 * extra)
+    for c in range(3):
+        chunks = [chunk for group in agreed for chunk in group if chunk.column == c]
+        real = [chunk.index for chunk in chunks if not chunk.padding]
+        assert sorted(torch.cat(real).tolist()) == list(range(9))  # every example once
+        if budget:  # a chunk of one over-long example is the budget's only exception
+            assert all(len(i) * int(lengths[c][i].max()) <= budget or len(i) == 1 for i in real)
+        else:
+            assert all(len(index) <= 3 for index in real)
+        padding = [chunk for chunk in chunks if chunk.padding]
+        assert (len(padding) > 0) == (len(chunks) > 9)  # padding only beyond one example per chunk
+    if together:  # every group reaches every tower
+        assert all(sorted(chunk.column for chunk in group) == [0, 1, 2] for group in agreed)
