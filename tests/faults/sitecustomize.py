@@ -116,7 +116,7 @@ def install_step_faults():
         return loss, rep_grads
 
     def faulty_backpropagate(group, reps, rep_grads, backward):
-        if oom_above and max(len(index) for _, index in group) > oom_above:
+        if oom_above and max(len(chunk.index) for chunk in group) > oom_above:
             raise torch.OutOfMemoryError("CUDA out of memory (test double)")
         if "GRADCACHE_FAULT_OOM_SYNC" in FAULTS and accelerate.state.GradientState().sync_gradients:
             raise torch.OutOfMemoryError("CUDA out of memory (test double)")
