@@ -89,9 +89,7 @@ import gradcache
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_TRAIN, DEFAULT_DEV = str(DATA_DIR / "wordnet_train.jsonl.gz"), str(DATA_DIR / "wordnet_dev.jsonl.gz")
-FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 # A checkpoint written with other values of these would resume at another data position.
-MAP_YOURS = "Map yours with --columns, e.g. --columns anchor=question,positive=answer,negatives=neg1+neg2"
 RESUME_KEYS = (
     "data",
     "columns",
@@ -229,7 +227,7 @@ def parse_args(argv=None):
             "batches of an accumulation window. Raise --batch_size instead of --gradient_accumulation_steps: "
             "with Gradient Cache a bigger batch costs no memory."
         )
-    parse_columns(args.columns)
+    role_fields(args.columns, available=())  # --columns is read here, to fail before anything is loaded
     args.matryoshka_dims, args.matryoshka_weights = parse_matryoshka(
         args.matryoshka_dims, args.matryoshka_weights
     )
@@ -299,206 +297,192 @@ def fail(message):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def parse_columns(spec):
-    """'anchor=q,positive=a,negatives=n1+n2' -> {"anchor": "q", "positive": "a", "negatives": ["n1", "n2"]};
-    'negatives=' -> no negatives; a role left out is found by its usual names (DEFAULT_FIELDS)."""
-    mapping = {"anchor": None, "positive": None, "negatives": None}
-    for item in filter(None, spec.split(",")):
-        role, _, fields = (part.strip() for part in item.partition("="))
-        if role not in mapping or not (fields or role == "negatives"):
-            parser.error(
-                f"--columns: cannot read {item!r}; write role=field with roles anchor, positive, negatives "
-                "(several negatives joined by +, none as negatives=), e.g. "
-                "anchor=question,positive=answer,negatives=neg1+neg2"
-            )
-        mapping[role] = fields if role != "negatives" else [field for field in fields.split("+") if field]
-    return mapping
+def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000):
+    """(datasets.Dataset, number of records skipped) from `source`: a .jsonl, .json (JSON lines or one array
+    of records), .csv or .parquet file, optionally .gz, or a hub data set name[:split]. `columns` maps fields
+    to roles as --columns does.
 
-
-# Unmapped roles: the sentence-transformers names, else FlagEmbedding's (query, pos, neg). Negatives by
-# default: negative, negatives, negative_1, negative2, neg... but never negative_score or other metadata.
-DEFAULT_FIELDS = {"anchor": ("anchor", "query"), "positive": ("positive", "pos")}
-NEGATIVE_FIELD = re.compile(r"(negative|neg)s?(_?\d+)?")
-
-
-def role_fields(mapping, available):
-    """[(role, field)]: anchor, positive, then one ("negative", field) per negatives field."""
-    pairs = [
-        (role, mapping[role] or next((f for f in names if f in available), names[0]))
-        for role, names in DEFAULT_FIELDS.items()
-    ]
-    negatives = mapping["negatives"]
-    if negatives is None:
-        negatives = sorted(field for field in available if NEGATIVE_FIELD.fullmatch(field))
-    return pairs + [("negative", field) for field in negatives]
-
-
-def require_fields(pairs, available, source):
-    missing = [f"{field!r} ({role})" for role, field in pairs if field not in available]
-    if missing:
-        fail(f"{source} has no field {', '.join(missing)}; its fields are {sorted(available)}. {MAP_YOURS}")
-
-
-def text_problem(field, value, max_chars):
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return f"has field {field!r} empty"
-    if not isinstance(value, str):
-        return f"has field {field!r} = {type(value).__name__} {str(value)[:40]}, not a text (quote it)"
-    if len(value) > max_chars:
-        return f"has {len(value)} characters in field {field!r}, over --max_text_chars {max_chars}"
-    return None
-
-
-def record_problem(record, pairs, max_chars):
-    """What is wrong with one record, in words, or None: every mapped field must hold a real text, or, for a
-    positive or negatives field, a non-empty list of texts."""
-    for role, field in pairs:
-        if field not in record:
-            return f"has no field {field!r} ({role}), only {sorted(record)}. {MAP_YOURS}"
-        value = record[field]
-        if role != "anchor" and isinstance(value, list):
-            if not value:
-                return f"has field {field!r} = an empty list, not a text"
-            problems = (text_problem(f"{field}[{i}]", text, max_chars) for i, text in enumerate(value))
-        else:
-            problems = [text_problem(field, value, max_chars)]
-        if problem := next(filter(None, problems), None):
-            return problem
-    return None
-
-
-def json_lines(path):
-    """(line number, record or what is wrong with the line) for every non-blank line of a JSONL[.gz] file."""
-    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as lines:
-        for number, raw in enumerate(lines, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                yield number, f"is not valid UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1})"
-                continue
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                yield number, f"is not valid JSON ({err.msg}, column {err.colno})"
-                continue
-            yield number, json_record(record)
-
-
-def json_record(value):
-    """A parsed JSON value as a record, or what is wrong with it."""
-    if isinstance(value, dict):
-        return value
-    return f"is a JSON {type(value).__name__}, not an object with named fields"
-
-
-def json_file(path):
-    """(place, record or what is wrong) for a .json[.gz] file: one JSON array of records ("record N"), else
-    JSON lines ("line N"). One JSON value over several lines that is no array stops the run."""
-    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as file:
-        raw = file.read()
-    text = raw.decode("utf-8", errors="replace")  # strictly decoded below, or by json_lines line by line
-    expected = (
-        'Write a JSON array of records, [{"anchor": ..., "positive": ...}, ...], or JSON lines, one record '
-        "per line."
-    )
-    if text.lstrip().startswith("["):
-        try:
-            records = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as err:
-            fail(
-                f"{path} is not valid UTF-8 (byte {raw[err.start]:#04x} at offset {err.start}). "
-                "Save it as UTF-8."
-            )
-        except json.JSONDecodeError as err:
-            fail(f"{path} is not valid JSON ({err.msg}, line {err.lineno}, column {err.colno}). {expected}")
-        return ((f"record {i}", json_record(record)) for i, record in enumerate(records, 1))
-    if sum(1 for line in text.splitlines() if line.strip()) > 1:
-        try:
-            whole = json.loads(text)
-        except json.JSONDecodeError:  # several values (JSON lines), or a bad line that json_lines names
-            pass
-        else:
-            fail(f"{path} holds one JSON {type(whole).__name__} over several lines, not records. {expected}")
-    return ((f"line {number}", record) for number, record in json_lines(path))
-
-
-def keep_good_records(source, numbered, mapping, skip_bad_records, max_text_chars):
-    """(datasets.Dataset of the roles anchor, positive, negative_1..., records skipped) from (place, record).
-
-    A bad record stops the run, naming its place and problem, before any training; with --skip_bad_records
-    it is left out and counted instead. A list of positives stays a list (`PositiveDraws` picks one per
-    epoch); the negatives fields, texts or lists, line up as negative_1, negative_2...
+    The data set's columns: anchor, positive, then negative_1, negative_2... A list of positives stays a
+    list (PositiveDraws picks one per epoch); the negatives fields, texts or lists, line up as negative_1,
+    negative_2... Every record is checked first: a bad one stops the run, naming its place and problem, or
+    with `skip_bad_records` is left out and counted.
     """
-    pairs, anchors, positives, negatives, skipped = None, [], [], [], []
-    for place, record in numbered:
-        problem = record if isinstance(record, str) else None
-        if problem is None:
-            pairs = pairs or role_fields(mapping, record)
-            problem = record_problem(record, pairs, max_text_chars)
-        if problem is None:
-            anchors.append(record[pairs[0][1]])
-            positives.append(as_list(record[pairs[1][1]]))
-            negatives.append([text for role, f in pairs if role == "negative" for text in as_list(record[f])])
+    fields, examples, skipped = None, [], []
+    for place, record in read_records(source, columns):
+        if isinstance(record, dict):  # else it says, in words, what is wrong with the record
+            fields = fields or role_fields(columns, available=record)  # negatives: the first record's
+            record = read_example(record, fields, max_text_chars)
+        if isinstance(record, dict):
+            examples.append(record)
         elif skip_bad_records:
-            skipped.append(f"{source}, {place} {problem}")
+            skipped.append(f"{source}, {place} {record}")
         else:
-            fail(
-                f"{source}, {place} {problem}. Fix or delete it, or pass --skip_bad_records to leave it out."
-            )
+            fail(f"{source}, {place} {record}. Fix or delete it, or pass --skip_bad_records to leave it out.")
     if skipped:
         print(f"train.py: skipped {len(skipped)} bad records; the first: {skipped[0]}")
-    if not anchors:
+    if not examples:
         fail(f"{source} holds no usable records." + (f" The first skipped: {skipped[0]}" if skipped else ""))
-    columns = {"anchor": anchors}
-    columns["positive"] = positives if max(map(len, positives)) > 1 else [texts[0] for texts in positives]
+    table = {}
+    for role in DEFAULT_FIELDS:  # one text each; a list where any example has several
+        texts = [example[role] for example in examples]
+        table[role] = texts if max(map(len, texts)) > 1 else [text for (text,) in texts]
     # A batch needs the same number of negatives in every row: ragged lists are cut to the shortest.
+    negatives = [example["negative"] for example in examples]
     count, most = min(map(len, negatives)), max(map(len, negatives))
     if count < most:
         print(
             f"train.py: {source}: records hold {count} to {most} negatives; each uses its first {count} "
             "(every row of a batch needs as many). Drop the short records to keep more."
         )
-    columns |= {f"negative_{i + 1}": [texts[i] for texts in negatives] for i in range(count)}
-    return datasets.Dataset.from_dict(columns), len(skipped)
+    table |= {f"negative_{i + 1}": [texts[i] for texts in negatives] for i in range(count)}
+    return datasets.Dataset.from_dict(table), len(skipped)
 
 
-def as_list(value):
-    return value if isinstance(value, list) else [value]
+# The fields each role is read from when --columns does not name them: sentence-transformers' names, then
+# FlagEmbedding's (query, pos, neg). Negatives by default: every field named negative, negatives, negative_1,
+# negative2, neg..., never negative_score or other metadata. A new role is a line here.
+DEFAULT_FIELDS = {"anchor": ("anchor", "query"), "positive": ("positive", "pos")}
+NEGATIVE_FIELD = re.compile(r"(negative|neg)s?(_?\d+)?")
+MAP_YOURS = "Map yours with --columns, e.g. --columns anchor=question,positive=answer,negatives=neg1+neg2"
 
 
-def load_pairs(source, mapping, skip_bad_records=False, max_text_chars=20_000):
-    """Local JSONL or JSON (read here: line by line, or one array of records), CSV or Parquet, or a hub data
-    set (read by datasets)."""
+def role_fields(columns, available):
+    """[(role, field)]: the anchor's, the positive's, then ("negative", field) for each negatives field, from
+    --columns ('anchor=q,positive=a,negatives=n1+n2'; 'negatives=' for none) and the `available` fields."""
+    named = {}
+    for item in filter(None, columns.split(",")):
+        role, _, fields = (part.strip() for part in item.partition("="))
+        if role not in (*DEFAULT_FIELDS, "negatives") or not (fields or role == "negatives"):
+            parser.error(
+                f"--columns: cannot read {item!r}; write role=field with roles anchor, positive, negatives "
+                "(several negatives joined by +, none as negatives=), e.g. "
+                "anchor=question,positive=answer,negatives=neg1+neg2"
+            )
+        named[role] = fields
+    pairs = [
+        (role, named.get(role) or next((field for field in names if field in available), names[0]))
+        for role, names in DEFAULT_FIELDS.items()
+    ]
+    if "negatives" in named:
+        negatives = [field for field in named["negatives"].split("+") if field]
+    else:
+        negatives = sorted(field for field in available if NEGATIVE_FIELD.fullmatch(field))
+    return pairs + [("negative", field) for field in negatives]
+
+
+def read_example(record, fields, max_chars):
+    """{role: [texts]} from one record, or what is wrong with it, in words: every mapped field must hold a
+    real text or, for a positive or negatives field, a non-empty list of texts."""
+    example = {role: [] for role in (*DEFAULT_FIELDS, "negative")}
+    for role, field in fields:
+        if field not in record:
+            return f"has no field {field!r} ({role}), only {sorted(record)}. {MAP_YOURS}"
+        value = record[field]
+        listed = isinstance(value, list) and role != "anchor"
+        if listed and not value:
+            return f"has field {field!r} = an empty list, not a text"
+        for i, text in enumerate(value if listed else [value]):
+            name = f"{field}[{i}]" if listed else field
+            if text is None or (isinstance(text, str) and not text.strip()):
+                return f"has field {name!r} empty"
+            if not isinstance(text, str):
+                return f"has field {name!r} = {type(text).__name__} {str(text)[:40]}, not a text (quote it)"
+            if len(text) > max_chars:
+                return f"has {len(text)} characters in field {name!r}, over --max_text_chars {max_chars}"
+        example[role] += value if listed else [value]
+    return example
+
+
+def read_records(source, columns):
+    """(place, record or what is wrong with it) for each record of `source`: JSON is read here, line by line
+    or as one array of records; CSV, Parquet and hub data sets by datasets, their fields checked once."""
     path = Path(source)
     suffix = next((s for s in reversed(path.suffixes) if s != ".gz"), "")
-    file_format = FILE_FORMATS.get(suffix)
-    if file_format and not path.is_file():
+    local = suffix in (".jsonl", ".json", ".csv", ".parquet")
+    if local and not path.is_file():
         fail(f"data file {source} does not exist. Check the path (relative paths start where you launch).")
-    if file_format == "json":
-        if suffix == ".json":
-            numbered = json_file(path)
-        else:
-            numbered = ((f"line {number}", record) for number, record in json_lines(path))
-        return keep_good_records(source, numbered, mapping, skip_bad_records, max_text_chars)
+    if suffix == ".json" and (records := json_array(path)) is not None:
+        return records
+    if suffix in (".jsonl", ".json"):
+        return json_lines(path)
     try:
-        if file_format == "csv":  # every field as written: pandas guessed "007" 7, "1e3" 1000, "NA" missing
+        if suffix == ".csv":  # every field as written: pandas guessed "007" 7, "1e3" 1000, "NA" missing
             table = pandas.read_csv(path, dtype=str, keep_default_na=False)
             dataset = datasets.Dataset.from_pandas(table, preserve_index=False)
-        elif file_format:
-            dataset = datasets.load_dataset(file_format, data_files=str(path), split="train")
+        elif local:
+            dataset = datasets.load_dataset(suffix[1:], data_files=str(path), split="train")
         else:
             name, _, split = source.partition(":")
             dataset = datasets.load_dataset(name, split=split or "train")
     except Exception as err:
-        kind = f"a {file_format} file" if file_format else "a hub data set (needs network)"
+        kind = f"a {suffix[1:]} file" if local else "a hub data set (needs network)"
         fail(
             f"{source} could not be read as {kind} ({type(err).__name__}: {err}). Check or convert the file."
         )
-    require_fields(role_fields(mapping, dataset.column_names), dataset.column_names, source)
-    numbered = ((f"record {i}", record) for i, record in enumerate(dataset, 1))
-    return keep_good_records(source, numbered, mapping, skip_bad_records, max_text_chars)
+    available = dataset.column_names
+    missing = [
+        f"{field!r} ({role})" for role, field in role_fields(columns, available) if field not in available
+    ]
+    if missing:
+        fail(f"{source} has no field {', '.join(missing)}; its fields are {sorted(available)}. {MAP_YOURS}")
+    return ((f"record {i}", record) for i, record in enumerate(dataset, 1))
+
+
+def json_array(path):
+    """(place, record or what is wrong with it) for a .json[.gz] file holding one JSON array of records,
+    "record N"; None for a file of JSON lines. A file holding another JSON value over several lines stops."""
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as file:
+        content = file.read()
+    text = content.decode("utf-8", errors="replace")  # strictly decoded below, or by json_lines line by line
+    expected = (
+        'Write a JSON array of records, [{"anchor": ..., "positive": ...}, ...], or JSON lines, one record '
+        "per line."
+    )
+    if text.lstrip().startswith("["):
+        try:
+            values = json.loads(content.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            fail(
+                f"{path} is not valid UTF-8 (byte {content[err.start]:#04x} at offset {err.start}). "
+                "Save it as UTF-8."
+            )
+        except json.JSONDecodeError as err:
+            fail(f"{path} is not valid JSON ({err.msg}, line {err.lineno}, column {err.colno}). {expected}")
+        return [(f"record {i}", json_record(value)) for i, value in enumerate(values, 1)]
+    if sum(1 for line in text.splitlines() if line.strip()) > 1:
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError:  # several values (JSON lines), or a bad line that json_lines names
+            return None
+        fail(f"{path} holds one JSON {type(whole).__name__} over several lines, not records. {expected}")
+    return None
+
+
+def json_lines(path):
+    """(place, record or what is wrong with it) for every non-blank line of a JSON lines file, "line N"."""
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as lines:
+        for number, raw in enumerate(lines, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield (
+                    f"line {number}",
+                    f"is not valid UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1})",
+                )
+                continue
+            if not line.strip():
+                continue
+            try:
+                record = json_record(json.loads(line))
+            except json.JSONDecodeError as err:
+                record = f"is not valid JSON ({err.msg}, column {err.colno})"
+            yield f"line {number}", record
+
+
+def json_record(value):
+    if isinstance(value, dict):
+        return value
+    return f"is a JSON {type(value).__name__}, not an object with named fields"
 
 
 class NoDuplicatesOrder(torch.utils.data.Sampler):
@@ -552,7 +536,7 @@ class PositiveDraws(torch.utils.data.Dataset):
 
 def build_evaluator(dev, num_queries, prompts=None):
     """Retrieve each query's positives among all distinct dev positives, scored by sentence-transformers."""
-    positives = [as_list(texts) for texts in dev["positive"]]
+    positives = [texts if isinstance(texts, list) else [texts] for texts in dev["positive"]]
     corpus_ids = {text: f"d{i}" for i, text in enumerate(dict.fromkeys(itertools.chain(*positives)))}
     queries = dev["anchor"][:num_queries]
     return InformationRetrievalEvaluator(
@@ -968,11 +952,10 @@ def check_launch(accelerator):
 
 def load_data(args, accelerator):
     """(training pairs, dev pairs or None, bad records skipped)."""
-    mapping = parse_columns(args.columns)
     with accelerator.main_process_first():  # the first process fills datasets' cache, the others read it
-        checks = (args.skip_bad_records, args.max_text_chars)
-        train_data, skipped_records = load_pairs(args.data, mapping, *checks)
-        dev_data = load_pairs(args.dev_data, mapping, *checks)[0] if args.dev_data else None
+        checks = (args.columns, args.skip_bad_records, args.max_text_chars)
+        train_data, skipped_records = load_pairs(args.data, *checks)
+        dev_data = load_pairs(args.dev_data, *checks)[0] if args.dev_data else None
     if 0 < args.max_train_examples < len(train_data):
         train_data = train_data.shuffle(seed=args.seed).select(range(args.max_train_examples))
     return train_data, dev_data, skipped_records

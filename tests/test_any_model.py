@@ -23,6 +23,7 @@ from test_train import (
     build_tiny_model,
     launch,
     max_difference,
+    sharded_loader,
     weights,
     write_rows,
     zero3_partitioning_everything,
@@ -213,15 +214,15 @@ def test_flagembedding_records_expand_lists_and_skip_scores(tmp_path, capsys):
         {"query": "q1", "pos": ["p1", "p1b"], "neg": ["n1", "n2", "n3"], "negative_score": [0.5, 0.2, 0.1]},
         {"query": "q2", "pos": ["p2"], "neg": ["m1", "m2"], "negative_score": [0.4, 0.3]},
     ]
-    data, _ = train.load_pairs(str(write_rows(tmp_path / "flag.jsonl", rows)), train.parse_columns(""))
+    data, _ = train.load_pairs(str(write_rows(tmp_path / "flag.jsonl", rows)))
     assert data.column_names == ["anchor", "positive", "negative_1", "negative_2"]  # never negative_score
     assert data[0] == {"anchor": "q1", "positive": ["p1", "p1b"], "negative_1": "n1", "negative_2": "n2"}
     assert "records hold 2 to 3 negatives; each uses its first 2" in capsys.readouterr().out
 
-    none, _ = train.load_pairs(str(tmp_path / "flag.jsonl"), train.parse_columns("negatives="))
+    none, _ = train.load_pairs(str(tmp_path / "flag.jsonl"), "negatives=")
     assert none.column_names == ["anchor", "positive"]
     with pytest.raises(SystemExit, match=r"has field 'negative_score\[0\]' = float 0.5, not a text"):
-        train.load_pairs(str(tmp_path / "flag.jsonl"), train.parse_columns("negatives=neg+negative_score"))
+        train.load_pairs(str(tmp_path / "flag.jsonl"), "negatives=neg+negative_score")
 
 
 def test_a_positive_list_draws_one_per_epoch_seeded():
@@ -229,9 +230,9 @@ def test_a_positive_list_draws_one_per_epoch_seeded():
     data = datasets.Dataset.from_dict({"anchor": [f"q{i}" for i in range(40)], "positive": positives})
 
     def drawn(seed, epoch):
-        order = train.NoDuplicatesOrder(data, 8, seed)
-        order.set_epoch(epoch)
-        return [order.examples[i]["positive"] for i in range(len(data))]
+        loader = sharded_loader(data, "--batch_size", 8, "--chunk_size", 8, "--seed", seed)
+        loader.set_epoch(epoch)
+        return [loader.dataset[i]["positive"] for i in range(len(data))]
 
     assert drawn(0, 1) == drawn(0, 1)  # a resumed run, a new sampler, draws the same
     assert drawn(0, 0) != drawn(0, 1) != drawn(1, 1)
@@ -367,7 +368,7 @@ def test_mined_hard_negatives_are_train_data(tmp_path, data):
     model = build_tiny_model(tmp_path, dropout=0.0)
     common = ["--model", str(model), "--data", str(data[0]), "--num_negatives", "2", "--range_max", "10"]
     mined = mine.main([*common, "--out", str(tmp_path / "mined.jsonl.gz"), "--query_prompt", "w1 "])
-    loaded, _ = train.load_pairs(str(tmp_path / "mined.jsonl.gz"), train.parse_columns(""))
+    loaded, _ = train.load_pairs(str(tmp_path / "mined.jsonl.gz"))
     assert loaded.column_names == ["anchor", "positive", "negative_1", "negative_2"]
     assert len(loaded) == len(mined) > 0
     positives = set(loaded["positive"])
