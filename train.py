@@ -265,16 +265,6 @@ def parse_matryoshka(dims_spec, weights_spec):
     return tuple(dims), tuple(weights)
 
 
-def check_matryoshka_dims(dims, width):
-    """Stop before training if a --matryoshka_dims entry is not a prefix of the model's representation."""
-    too_large = [dim for dim in dims or () if dim > width]
-    if too_large:
-        fail(
-            f"--matryoshka_dims {','.join(map(str, dims))}: {too_large} larger than the model's {width} "
-            f"dimensions. Use dimensions up to {width}, e.g. {','.join(str(width >> k) for k in range(4))}."
-        )
-
-
 def bundled_model():
     """The default --model, imported only when used: a copy of train.py in another repo needs no package."""
     try:
@@ -559,7 +549,7 @@ def build_evaluator(dev, num_queries, prompts=None):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Model, checkpoints, saving
+# The model: loaded, prepared as the flags say, its prompts, its tokenizer, and Towers for a Router model
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -580,7 +570,16 @@ def load_model(name, device):
 
 
 def prepare_model(model, args):
-    """The model as trained: its similarity, a LoRA adapter, gradient checkpointing."""
+    """The model as trained, as the flags set it: its sequence length, similarity and Matryoshka dimensions,
+    a LoRA adapter, gradient checkpointing; in training mode, refused if it mixes the examples of a batch."""
+    model.max_seq_length = args.max_seq_length or model.max_seq_length
+    width = model.get_embedding_dimension()
+    if too_large := [dim for dim in args.matryoshka_dims or () if dim > width]:
+        dims, example = ",".join(map(str, args.matryoshka_dims)), ",".join(str(width >> k) for k in range(4))
+        fail(
+            f"--matryoshka_dims {dims}: {too_large} larger than the model's {width} dimensions. Use "
+            f"dimensions up to {width}, e.g. {example}."
+        )
     if args.similarity:
         model.similarity_fn_name = {"cos": "cosine", "dot": "dot"}[args.similarity]
     elif model.similarity_fn_name not in ("cosine", "dot"):
@@ -616,11 +615,12 @@ def prepare_model(model, args):
                 transformer.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False}
                 )
+    model.train()  # sentence-transformers loads in eval mode, where BatchNorm would pass the check below
+    try:
+        gradcache.check_examples_independent(model)
+    except ValueError as err:
+        fail(f"--model {args.model}: {err}")
     return model
-
-
-def loss_similarity(model):
-    return "dot" if model.similarity_fn_name == "dot" else "cos"
 
 
 def role_prompts(model, query_prompt=None, document_prompt=None):
@@ -634,6 +634,16 @@ def role_prompts(model, query_prompt=None, document_prompt=None):
     query = declared("query") if query_prompt is None else query_prompt
     document = declared("document", "passage", "corpus") if document_prompt is None else document_prompt
     return {"query": query or None, "document": document or None}  # "" is no prompt
+
+
+def tokenize(model, texts, column, prompts, padding=True):
+    """A column's texts -> the model's input: the one place where texts become tokens. Sentence-transformers
+    prepends the role's prompt (and records its length, for a Pooling with include_prompt=False), and a
+    Router model routes by the task. Padded to the longest text, or with padding=False lists of token ids,
+    which count the tokens the model receives; truncated to the model's max_seq_length either way."""
+    task = role_task(column)
+    unpadded = {"processing_kwargs": {"text": {"padding": False}, "common": {"return_tensors": None}}}
+    return model.preprocess(texts, prompt=prompts[task], task=task, **({} if padding else unpadded))
 
 
 def role_task(column):
@@ -665,37 +675,18 @@ def is_router(model):
     return any(isinstance(module, Router) for module in model.modules())
 
 
-def tokenize(model, texts, column, prompts, padding=True):
-    """A column's texts -> the model's input: the one place where texts become tokens. Sentence-transformers
-    prepends the role's prompt (and records its length, for a Pooling with include_prompt=False), and a
-    Router model routes by the task. Padded to the longest text, or unpadded (lists of token ids, for
-    counting); truncated to the model's max_seq_length either way."""
-    task = role_task(column)
-    unpadded = {"processing_kwargs": {"text": {"padding": False}, "common": {"return_tensors": None}}}
-    return model.preprocess(texts, prompt=prompts[task], task=task, **({} if padding else unpadded))
-
-
-def token_lengths(model, texts, column, prompts):
-    """Tokens per text as the model receives them: orders the chunks and counts their padded tokens."""
-    unpadded = tokenize(model, texts, column, prompts, padding=False)
-    return torch.tensor([len(ids) for ids in unpadded["input_ids"]])
-
-
-def chunk_selects(model, columns, prompts, device):
-    """gradcache's `select` for each column: its texts tokenized chunk by chunk, with the role's prompt."""
-
-    def tokenizer_of(column):
-        return lambda texts: send_to_device(tokenize(model, texts, column, prompts), device)
-
-    return [gradcache.tokenize_per_chunk(tokenizer_of(column)) for column in columns]
+# ---------------------------------------------------------------------------------------------------------
+# The step: Gradient Cache on one batch, with the loss as the flags set it
+# ---------------------------------------------------------------------------------------------------------
 
 
 def loss_function(args, model):
-    """The contrastive loss of stage 2, as the flags set it."""
+    """The contrastive loss of stage 2 as the flags set it (a partial of gradcache.contrastive_loss), scored
+    by the model's similarity. A new loss term belongs here: gradcache calls it on the whole batch."""
     return functools.partial(
         gradcache.contrastive_loss,
         scale=args.scale,
-        similarity=loss_similarity(model),
+        similarity="dot" if model.similarity_fn_name == "dot" else "cos",
         symmetric=args.symmetric,
         tile_size=args.loss_tile_size,
         matryoshka_dims=args.matryoshka_dims,
@@ -706,23 +697,38 @@ def loss_function(args, model):
 def gradient_cache_step(accelerator, engine, model, prompts, loss_fn, args, batch, chunking):
     """Gradient Cache on one batch ({column: texts}): accumulates its gradients, returns gradcache's report.
 
-    Texts are tokenized chunk by chunk as they are encoded (`select`), never padded as a batch; only their
-    token counts are taken up front. A Router model's engine (`Towers`) encodes a whole group per call.
+    Only the token counts of the texts are taken up front (tokenize with padding=False), to sort and budget
+    the chunks; each chunk is tokenized as it is encoded, never the batch as a whole. A Router model's engine
+    (Towers) encodes a whole group of chunks per call.
     """
     towers = isinstance(accelerator.unwrap_model(engine), Towers)
+
+    def token_counts(column, texts):
+        unpadded = tokenize(model, texts, column, prompts, padding=False)
+        return torch.tensor([len(ids) for ids in unpadded["input_ids"]])
+
+    def chunk_tokenizer(column):
+        return lambda texts: send_to_device(tokenize(model, texts, column, prompts), accelerator.device)
+
     return gradcache.gradcache_step(
         None if towers else engine,
         list(batch.values()),
         loss_fn,
         **chunking,
-        lengths=[token_lengths(model, texts, column, prompts) for column, texts in batch.items()],
-        select=chunk_selects(model, list(batch), prompts, accelerator.device),
+        lengths=[token_counts(column, texts) for column, texts in batch.items()],
+        select=[gradcache.tokenize_per_chunk(chunk_tokenizer(column)) for column in batch],
         backward=accelerator.backward,
         sync_context=gradcache.accelerate_sync_context(accelerator, engine),
         cross_process_negatives=args.cross_process_negatives,
-        agree_on_out_of_memory=accelerator.distributed_type != DistributedType.DEEPSPEED,  # collectives
+        # DeepSpeed's passes are collectives themselves: a process that runs out of memory cannot agree.
+        agree_on_out_of_memory=accelerator.distributed_type != DistributedType.DEEPSPEED,
         encode_group=engine if towers else None,
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpoints and saving
+# ---------------------------------------------------------------------------------------------------------
 
 
 def find_checkpoint(spec, checkpoints_dir):
@@ -1124,16 +1130,9 @@ def main(args):
     )
     set_seed(args.seed)
     train_data, dev_data, skipped_records = load_data(args, accelerator)
-    model = load_model(args.model, str(accelerator.device))  # after the Accelerator: ZeRO-3 loads partitioned
-    model.max_seq_length = args.max_seq_length or model.max_seq_length
-    check_matryoshka_dims(args.matryoshka_dims, model.get_embedding_dimension())
-    prepare_model(model, args)  # its similarity, LoRA, gradient checkpointing
+    # After the Accelerator: under ZeRO-3 the model loads partitioned.
+    model = prepare_model(load_model(args.model, str(accelerator.device)), args)
     prompts = role_prompts(model, args.query_prompt, args.document_prompt)
-    model.train()  # as trained: sentence-transformers loads in eval mode, where BatchNorm mixes no examples
-    try:
-        gradcache.check_examples_independent(model)
-    except ValueError as err:
-        fail(f"--model {args.model}: {err}")
     evaluator = build_evaluator(dev_data, args.dev_queries, prompts) if dev_data and args.eval_steps else None
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapter only
     adamw = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)

@@ -29,7 +29,6 @@ from test_train import (
     zero3_partitioning_everything,
 )
 
-import gradcache
 import train
 
 TOLERANCE = 1e-5
@@ -95,9 +94,9 @@ def test_each_architecture_is_exact_with_dropout(tmp_path, name):
         assert columns[0]["prompt_length"] == 3 and "prompt_length" not in columns[1]  # [CLS] w1 w2
     if kind == "decoder":
         assert (columns[0]["attention_mask"][:, 0] == 0).any()  # padded on the left
-    similarity = train.loss_similarity(model)
-    assert similarity == ("dot" if "dot" in name else "cos")
-    loss_fn = functools.partial(gradcache.contrastive_loss, similarity=similarity, symmetric=True)
+    loss_fn = train.loss_function(args, model)  # a partial of gradcache.contrastive_loss
+    assert loss_fn.keywords["similarity"] == ("dot" if "dot" in name else "cos")
+    loss_fn = functools.partial(loss_fn, symmetric=True)
 
     # As train.py calls it: a Router model encodes each group (a chunk of every column) in one call.
     towers = train.Towers(model, COLUMNS) if train.is_router(model) else None
@@ -107,7 +106,8 @@ def test_each_architecture_is_exact_with_dropout(tmp_path, name):
     report = recorder.step(None if towers else model, columns, loss_fn, 3, encode_group=towers)
     ref_encoders = [reference] * len(COLUMNS)
     if towers:
-        ref_encoders = [functools.partial(reference, task=train.role_task(c)) for c in COLUMNS]
+        tasks = ["query" if column == "anchor" else "document" for column in COLUMNS]
+        ref_encoders = [functools.partial(reference, task=task) for task in tasks]
     ref_loss = recorder.replay(ref_encoders, loss_fn)
     difference = max_relative_difference([model], [reference])
     print(f"{name}: max relative gradient difference {difference:.2e}")
