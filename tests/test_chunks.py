@@ -250,26 +250,33 @@ def test_out_of_memory_with_chunk_tokens_names_half_the_budget_and_train_halves_
     assert "a chunk of up to 36 padded tokens ran out of memory" in str(raised.value)
     assert "Use a chunk_tokens of 18 or less" in str(raised.value)
 
-    accelerator = types.SimpleNamespace(distributed_type=DistributedType.NO, print=print)
+    # train.py's loop: the step that ran out, stopped with what to launch, or redone from zeroed gradients
+    accelerator = types.SimpleNamespace(
+        distributed_type=DistributedType.NO, num_processes=1, device=torch.device("cpu"), print=print
+    )
     args = train.parse_args(["--chunk_tokens", "36"])
-    assert train.chunk_arguments(args) == {"chunk_tokens": 36}
+    assert (args.chunk_tokens, args.chunk_size) == (36, None)
+
+    def step(batch, chunking):
+        return gradcache.gradcache_step(encoder, batch, **chunking)
+
+    optimizer = torch.optim.SGD(encoder.parameters(), lr=0.0)  # zero_grad only
     with pytest.raises(SystemExit, match="Relaunch with --chunk_tokens 18, or add --auto_chunk_size"):
-        train.smaller_chunk(raised.value, train.chunk_arguments(args), args, accelerator)
+        train.step_with_back_off(step, columns, {"chunk_tokens": 36}, args, accelerator, optimizer)
     args.auto_chunk_size = True
-    chunking = train.smaller_chunk(raised.value, train.chunk_arguments(args), args, accelerator)
-    assert chunking == {"chunk_tokens": 18}
+    _, chunking = train.step_with_back_off(step, columns, {"chunk_tokens": 36}, args, accelerator, optimizer)
+    assert chunking == {"chunk_tokens": 18}  # never more than 18 padded tokens: fits
     assert "out of memory with --chunk_tokens 36: redoing the batch with 18" in capsys.readouterr().out
 
-    for p in encoder.parameters():
-        p.grad = None
-    gradcache.gradcache_step(encoder, columns, **chunking)  # never more than 18 padded tokens: fits
     unchunked_reference([reference] * 2, columns, gradcache.contrastive_loss)
     assert max_relative_difference([encoder.encoder], [reference]) <= TOLERANCE
 
 
 def test_train_takes_chunk_size_or_chunk_tokens_not_both(capsys):
-    assert train.chunk_arguments(train.parse_args([])) == {"chunk_size": 32}
-    assert train.chunk_arguments(train.parse_args(["--chunk_tokens", "4096"])) == {"chunk_tokens": 4096}
+    args = train.parse_args([])
+    assert (args.chunk_size, args.chunk_tokens) == (32, None)
+    args = train.parse_args(["--chunk_tokens", "4096"])
+    assert (args.chunk_size, args.chunk_tokens) == (None, 4096)
     for argv, message in [
         (["--chunk_size", "8", "--chunk_tokens", "4096"], "--chunk_size and --chunk_tokens both given"),
         (["--chunk_tokens", "0"], "--chunk_tokens must be at least 1"),

@@ -112,6 +112,20 @@ def launch(
     return done
 
 
+def run_main(monkeypatch, *argv):
+    """train.main in this process, as a one-process launch, for what stops it before training: cheaper than a
+    launch. Its Accelerator is undone afterwards."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "1.0")  # what main sets, undone after the test
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    try:
+        train.main(train.parse_args([*map(str, argv), "--wandb_mode", "disabled"]))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
 def sharded_loader(dataset, *flags, processes=1, process_index=0):
     """train.py's batches of `dataset` under `flags`, as accelerate deals them to one of `processes`."""
     from accelerate.data_loader import prepare_data_loader
@@ -594,20 +608,34 @@ def test_csv_fields_are_texts_as_written(tmp_path):
     assert loaded[0] == {"anchor": "NA", "positive": "null", "negative_1": "n/a"}
 
 
-def test_model_and_checkpoint_errors(tmp_path, capsys):
+def test_model_and_checkpoint_errors(tmp_path, capsys, monkeypatch):
+    """The checkpoint to resume from is found before anything is loaded: main stops there, or (none found) at
+    the data file, which does not exist here."""
     fails_with(
         capsys, lambda: train.load_model(str(tmp_path / "nowhere"), "cpu"), "no such directory", "--model"
     )
+    run = ("--model", "m", "--data", tmp_path / "missing.jsonl", "--output_dir", tmp_path)
     fails_with(
         capsys,
-        lambda: train.find_checkpoint(str(tmp_path), tmp_path),
+        lambda: run_main(monkeypatch, *run, "--resume_from_checkpoint", tmp_path),
         "not a complete checkpoint",
         "'latest'",
     )
+    # Each written with another seed, so that main names the one it would resume from.
+    state = {"processes": 1, "args": vars(train.parse_args(list(map(str, run)))) | {"seed": 7}}
     for name in ("step_2", "step_10", "step_12.partial"):
-        (tmp_path / name).mkdir()
-    assert train.find_checkpoint("latest", tmp_path) == tmp_path / "step_10"
-    assert train.find_checkpoint("latest", tmp_path / "empty") is None
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+        (tmp_path / "checkpoints" / name / "trainer_state.json").write_text(json.dumps(state))
+    fails_with(
+        capsys,
+        lambda: run_main(monkeypatch, *run, "--resume_from_checkpoint", "latest"),
+        f"{tmp_path / 'checkpoints' / 'step_10'} was written with --seed 7",
+    )
+    empty = ("--output_dir", tmp_path / "empty", "--resume_from_checkpoint", "latest")
+    with pytest.raises(SystemExit, match="missing.jsonl does not exist"):
+        run_main(monkeypatch, *run, *empty)
+    none_found = f"no complete checkpoint in {tmp_path / 'empty' / 'checkpoints'}: starting from scratch"
+    assert none_found in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -689,12 +717,12 @@ def test_cross_process_negatives_keep_the_global_batch_free_of_duplicates():
         assert sum(repeated_texts(step) for step in alone) > 0
 
 
-def test_resuming_with_cross_process_negatives_toggled_is_refused(tmp_path):
-    args = train.parse_args(["--model", "m", "--data", "x.jsonl", "--cross_process_negatives"])
-    state = {"processes": 2, "args": vars(args) | {"cross_process_negatives": False}}
+def test_resuming_with_cross_process_negatives_toggled_is_refused(tmp_path, monkeypatch):
+    flags = ["--model", "m", "--data", "x.jsonl", "--cross_process_negatives"]
+    state = {"processes": 2, "args": vars(train.parse_args(flags)) | {"cross_process_negatives": False}}
     (tmp_path / "trainer_state.json").write_text(json.dumps(state))
     with pytest.raises(SystemExit, match="written with --cross_process_negatives False: the data order"):
-        train.resume_training(None, tmp_path, args, None, processes=2)
+        run_main(monkeypatch, *flags, "--output_dir", tmp_path / "run", "--resume_from_checkpoint", tmp_path)
 
 
 def test_evaluator_retrieves_each_query_positive_among_distinct_positives():
