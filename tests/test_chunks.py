@@ -60,15 +60,27 @@ class OutOfMemoryAbove(torch.nn.Module):
 
 
 class PaddedSizes(torch.nn.Module):
-    """Records (examples, padded width) of every chunk the model encodes."""
+    """Records (examples, padded width) and the input's type of every chunk the model encodes."""
 
     def __init__(self, model):
         super().__init__()
-        self.model, self.shapes = model, []
+        self.model, self.shapes, self.input_types = model, [], set()
 
     def forward(self, features):
         self.shapes.append(tuple(features["input_ids"].shape))
+        self.input_types.add(type(features))
         return self.model(features)
+
+
+@pytest.fixture
+def accelerator():
+    """A one-process CPU Accelerator, as train.py's on cpu.yaml, undone after the test."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    yield Accelerator(cpu=True)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
 
 
 # ---- plans ----
@@ -128,19 +140,18 @@ NO_PROMPTS = {"query": None, "document": None}
 PROMPTS = {"query": "w1 w2", "document": "w3"}  # words of the tiny vocabulary
 
 
-def test_chunk_tokens_on_text_columns_is_exact_against_the_full_batch(tiny_model_folders):
+def test_chunk_tokens_on_text_columns_is_exact_against_the_full_batch(tiny_model_folders, accelerator):
     model = load(tiny_model_folders[0])
     reference = copy.deepcopy(model)
     columns = [random_texts(24, seed) for seed in range(3)]
     budget = 60
 
-    counted = PaddedSizes(model)
-    select = train.chunk_selects(model, ROLES, NO_PROMPTS, "cpu")
-    lengths = [
-        train.token_lengths(model, texts, role, NO_PROMPTS)
-        for texts, role in zip(columns, ROLES, strict=True)
-    ]
-    report = gradcache.gradcache_step(counted, columns, chunk_tokens=budget, lengths=lengths, select=select)
+    counted = PaddedSizes(model)  # the engine, as accelerate would have wrapped it
+    batch, args = dict(zip(ROLES, columns, strict=True)), train.parse_args([])
+    loss_fn = gradcache.contrastive_loss
+    report = train.gradient_cache_step(
+        accelerator, counted, model, NO_PROMPTS, loss_fn, args, batch, {"chunk_tokens": budget}
+    )
     ref_loss = gradcache.contrastive_loss(
         *[reference(reference.preprocess(texts))["sentence_embedding"] for texts in columns]
     )
@@ -153,27 +164,34 @@ def test_chunk_tokens_on_text_columns_is_exact_against_the_full_batch(tiny_model
     assert len({examples for examples, _ in counted.shapes}) > 2  # chunks sized by their texts
 
 
-def test_tokenizing_per_chunk_gives_the_gradients_of_tokenizing_the_batch(tiny_model_folders):
+def test_tokenizing_per_chunk_gives_the_gradients_of_tokenizing_the_batch(tiny_model_folders, accelerator):
     model = load(tiny_model_folders[0.1]).train()  # dropout on: the RNG replay must line up as well
     model.max_seq_length = 12  # some texts are truncated: lengths must count what the model receives
     per_chunk, whole = model, copy.deepcopy(model)
     columns = [random_texts(20, seed) for seed in range(10, 13)]
-    # Prompts too: sentence-transformers prepends them, and the lengths must count them.
+    # Prompts too: sentence-transformers prepends them, and the lengths must count them. The token counts
+    # train.py's step sorts and budgets the chunks by: the texts tokenized unpadded.
     features = [
         train.tokenize(whole, texts, role, PROMPTS) for texts, role in zip(columns, ROLES, strict=True)
     ]
     lengths = [
-        train.token_lengths(per_chunk, texts, role, PROMPTS)
+        torch.tensor(
+            [len(ids) for ids in train.tokenize(per_chunk, texts, role, PROMPTS, padding=False)["input_ids"]]
+        )
         for texts, role in zip(columns, ROLES, strict=True)
     ]
     for column_lengths, column in zip(lengths, features, strict=True):
         assert torch.equal(column_lengths, column["attention_mask"].sum(1))
     assert max(int(column_lengths.max()) for column_lengths in lengths) == 12
 
-    select = train.chunk_selects(per_chunk, ROLES, PROMPTS, "cpu")
-    assert type(select[0](columns[0], torch.arange(3))) is dict  # DDP finds output tensors in dicts only
+    engine = PaddedSizes(per_chunk)
+    batch, args = dict(zip(ROLES, columns, strict=True)), train.parse_args([])
+    loss_fn = gradcache.contrastive_loss
     torch.manual_seed(1)
-    report = gradcache.gradcache_step(per_chunk, columns, chunk_tokens=40, lengths=lengths, select=select)
+    report = train.gradient_cache_step(
+        accelerator, engine, per_chunk, PROMPTS, loss_fn, args, batch, {"chunk_tokens": 40}
+    )
+    assert engine.input_types == {dict}  # DDP finds output tensors in dicts only
     torch.manual_seed(1)
     whole_report = gradcache.gradcache_step(whole, features, chunk_tokens=40)
 
@@ -232,26 +250,33 @@ def test_out_of_memory_with_chunk_tokens_names_half_the_budget_and_train_halves_
     assert "a chunk of up to 36 padded tokens ran out of memory" in str(raised.value)
     assert "Use a chunk_tokens of 18 or less" in str(raised.value)
 
-    accelerator = types.SimpleNamespace(distributed_type=DistributedType.NO, print=print)
+    # train.py's loop: the step that ran out, stopped with what to launch, or redone from zeroed gradients
+    accelerator = types.SimpleNamespace(
+        distributed_type=DistributedType.NO, num_processes=1, device=torch.device("cpu"), print=print
+    )
     args = train.parse_args(["--chunk_tokens", "36"])
-    assert train.chunk_arguments(args) == {"chunk_tokens": 36}
+    assert (args.chunk_tokens, args.chunk_size) == (36, None)
+
+    def step(batch, chunking):
+        return gradcache.gradcache_step(encoder, batch, **chunking)
+
+    optimizer = torch.optim.SGD(encoder.parameters(), lr=0.0)  # zero_grad only
     with pytest.raises(SystemExit, match="Relaunch with --chunk_tokens 18, or add --auto_chunk_size"):
-        train.smaller_chunk(raised.value, train.chunk_arguments(args), args, accelerator)
+        train.step_with_back_off(step, columns, {"chunk_tokens": 36}, args, accelerator, optimizer)
     args.auto_chunk_size = True
-    chunking = train.smaller_chunk(raised.value, train.chunk_arguments(args), args, accelerator)
-    assert chunking == {"chunk_tokens": 18}
+    _, chunking = train.step_with_back_off(step, columns, {"chunk_tokens": 36}, args, accelerator, optimizer)
+    assert chunking == {"chunk_tokens": 18}  # never more than 18 padded tokens: fits
     assert "out of memory with --chunk_tokens 36: redoing the batch with 18" in capsys.readouterr().out
 
-    for p in encoder.parameters():
-        p.grad = None
-    gradcache.gradcache_step(encoder, columns, **chunking)  # never more than 18 padded tokens: fits
     unchunked_reference([reference] * 2, columns, gradcache.contrastive_loss)
     assert max_relative_difference([encoder.encoder], [reference]) <= TOLERANCE
 
 
 def test_train_takes_chunk_size_or_chunk_tokens_not_both(capsys):
-    assert train.chunk_arguments(train.parse_args([])) == {"chunk_size": 32}
-    assert train.chunk_arguments(train.parse_args(["--chunk_tokens", "4096"])) == {"chunk_tokens": 4096}
+    args = train.parse_args([])
+    assert (args.chunk_size, args.chunk_tokens) == (32, None)
+    args = train.parse_args(["--chunk_tokens", "4096"])
+    assert (args.chunk_size, args.chunk_tokens) == (None, 4096)
     for argv, message in [
         (["--chunk_size", "8", "--chunk_tokens", "4096"], "--chunk_size and --chunk_tokens both given"),
         (["--chunk_tokens", "0"], "--chunk_tokens must be at least 1"),

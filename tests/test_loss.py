@@ -193,7 +193,7 @@ def test_cross_process_negatives_refuse_a_loss_without_local_rows(monkeypatch):
     gradcache.check_loss_takes_local_rows(functools.partial(gradcache.contrastive_loss, scale=5.0), True)
 
 
-def test_train_matryoshka_and_tile_arguments(capsys):
+def test_train_matryoshka_and_tile_arguments(tmp_path, capsys):
     from test_train import fails_with
 
     args = train.parse_args(["--matryoshka_dims", "384,256,64", "--matryoshka_weights", "1,1,0.5"])
@@ -212,12 +212,13 @@ def test_train_matryoshka_and_tile_arguments(capsys):
     fails_with(
         capsys, lambda: train.parse_args(["--loss_tile_size", "0"]), "--loss_tile_size must be at least 1"
     )
+    model, _ = tiny_sentence_transformer(tmp_path)  # 32 dimensions
     fails_with(
         capsys,
-        lambda: train.check_matryoshka_dims((768, 384), 384),
-        "[768] larger than the model's 384 dimensions",
+        lambda: train.prepare_model(model, train.parse_args(["--matryoshka_dims", "64,32"])),
+        "[64] larger than the model's 32 dimensions",
     )
-    train.check_matryoshka_dims((384, 64), 384)
+    train.prepare_model(model, train.parse_args(["--matryoshka_dims", "32,8"]))
 
 
 # ---- false negatives masked inside the tiled loss ----

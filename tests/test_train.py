@@ -112,6 +112,29 @@ def launch(
     return done
 
 
+def run_main(monkeypatch, *argv):
+    """train.main in this process, as a one-process launch, for what stops it before training: cheaper than a
+    launch. Its Accelerator is undone afterwards."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "1.0")  # what main sets, undone after the test
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    try:
+        train.main(train.parse_args([*map(str, argv), "--wandb_mode", "disabled"]))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+def sharded_loader(dataset, *flags, processes=1, process_index=0):
+    """train.py's batches of `dataset` under `flags`, as accelerate deals them to one of `processes`."""
+    from accelerate.data_loader import prepare_data_loader
+
+    args = train.parse_args(["--model", "m", "--data", "x.jsonl", *map(str, flags)])
+    loader = train.make_loader(dataset, args, processes)
+    return prepare_data_loader(loader, num_processes=processes, process_index=process_index)
+
+
 def weights(model_dir):
     """A saved model's parameters, loaded the way a user loads it."""
     from sentence_transformers import SentenceTransformer
@@ -266,11 +289,11 @@ def test_chunked_run_reaches_sentence_transformers_full_batch_weights(
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     steps = BACKEND_ARGS[BACKEND_ARGS.index("--max_steps") + 1]
     scheduler = get_scheduler("linear", adamw, 0, steps)  # warmup: round(0.1 * 3) = 0 steps
-    train_data, _ = train.load_pairs(str(data[0]), train.parse_columns(""))
-    order = list(train.NoDuplicatesOrder(train_data, 8, seed=42))  # epoch 0, as set_epoch(0) leaves it
+    train_data, _ = train.load_pairs(str(data[0]))
+    batches = iter(sharded_loader(train_data, "--batch_size", 8, "--chunk_size", 3))  # epoch 0, seed 42
     model.train()
-    for step in range(steps):
-        batch = train_data[order[8 * step : 8 * step + 8]]
+    for _ in range(steps):
+        batch = next(batches)
         loss = loss_fn([model.preprocess(batch[column]) for column in train_data.column_names], None)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -501,7 +524,7 @@ def test_json_lines_errors_name_the_line(tmp_path, capsys, line, fragments):
     path = tmp_path / "data.jsonl.gz"
     with gzip.open(path, "wt") as file:  # gzipped, as the bundled data
         file.write('{"anchor": "x", "positive": "y", "negative": "z"}\n' + line + "\n")
-    fails_with(capsys, lambda: train.load_pairs(str(path), train.parse_columns("")), str(path), *fragments)
+    fails_with(capsys, lambda: train.load_pairs(str(path)), str(path), *fragments)
 
 
 def test_a_json_file_is_an_array_of_records_or_json_lines(tmp_path, capsys):
@@ -513,7 +536,7 @@ def test_a_json_file_is_an_array_of_records_or_json_lines(tmp_path, capsys):
     with gzip.open(tmp_path / "array.json.gz", "wt") as file:
         json.dump(rows, file)
     for name in ("array.json", "lines.json", "array.json.gz"):
-        loaded, _ = train.load_pairs(str(tmp_path / name), train.parse_columns(""))
+        loaded, _ = train.load_pairs(str(tmp_path / name))
         assert loaded.to_list() == [
             {"anchor": r["anchor"], "positive": r["positive"], "negative_1": r["negative"]} for r in rows
         ]
@@ -521,7 +544,7 @@ def test_a_json_file_is_an_array_of_records_or_json_lines(tmp_path, capsys):
     # An array is checked record by record, as JSON lines are line by line.
     bad = [rows[0], {**rows[1], "positive": " "}, ["a2", "p2"]]
     (tmp_path / "bad.json").write_text(json.dumps(bad))
-    load_bad = functools.partial(train.load_pairs, str(tmp_path / "bad.json"), train.parse_columns(""))
+    load_bad = functools.partial(train.load_pairs, str(tmp_path / "bad.json"))
     fails_with(capsys, load_bad, "bad.json, record 2 has field 'positive' empty", "--skip_bad_records")
     loaded, skipped = load_bad(skip_bad_records=True)
     assert len(loaded) == 1 and skipped == 2
@@ -531,7 +554,7 @@ def test_a_json_file_is_an_array_of_records_or_json_lines(tmp_path, capsys):
     (tmp_path / "object.json").write_text(json.dumps({"data": rows}, indent=2))
     fails_with(
         capsys,
-        lambda: train.load_pairs(str(tmp_path / "object.json"), train.parse_columns("")),
+        lambda: train.load_pairs(str(tmp_path / "object.json")),
         "holds one JSON dict over several lines",
         "JSON array of records",
         "JSON lines",
@@ -539,7 +562,7 @@ def test_a_json_file_is_an_array_of_records_or_json_lines(tmp_path, capsys):
     (tmp_path / "broken.json").write_text(json.dumps(rows, indent=2)[:-2])
     fails_with(
         capsys,
-        lambda: train.load_pairs(str(tmp_path / "broken.json"), train.parse_columns("")),
+        lambda: train.load_pairs(str(tmp_path / "broken.json")),
         "broken.json is not valid JSON (",
         "JSON array of records",
     )
@@ -551,18 +574,18 @@ def test_csv_and_parquet_load_with_a_column_mapping(tmp_path, capsys):
     table = pandas.DataFrame(
         {"question": ["q1", "q2"], "answer": ["1990", "a2"], "n1": ["x", "y"], "n2": ["u", "v"]}
     )
-    mapping = train.parse_columns("anchor=question,positive=answer,negatives=n1+n2")
+    columns = "anchor=question,positive=answer,negatives=n1+n2"
     table.to_csv(tmp_path / "pairs.csv", index=False)
     table.to_parquet(tmp_path / "pairs.parquet")
     for name in ("pairs.csv", "pairs.parquet"):
-        loaded, skipped = train.load_pairs(str(tmp_path / name), mapping)
+        loaded, skipped = train.load_pairs(str(tmp_path / name), columns)
         assert skipped == 0
         assert loaded.column_names == ["anchor", "positive", "negative_1", "negative_2"]
         assert loaded[0] == {"anchor": "q1", "positive": "1990", "negative_1": "x", "negative_2": "u"}
 
     fails_with(
         capsys,
-        lambda: train.load_pairs(str(tmp_path / "pairs.csv"), train.parse_columns("")),
+        lambda: train.load_pairs(str(tmp_path / "pairs.csv")),
         "no field 'anchor' (anchor), 'positive' (positive)",
         "'answer'",
         "--columns",
@@ -570,35 +593,49 @@ def test_csv_and_parquet_load_with_a_column_mapping(tmp_path, capsys):
     table.loc[1, "n2"] = None
     table.to_csv(tmp_path / "gap.csv", index=False)
     fails_with(
-        capsys, lambda: train.load_pairs(str(tmp_path / "gap.csv"), mapping), "record 2 has field 'n2' empty"
+        capsys, lambda: train.load_pairs(str(tmp_path / "gap.csv"), columns), "record 2 has field 'n2' empty"
     )
-    fails_with(capsys, lambda: train.load_pairs(str(tmp_path / "missing.csv"), mapping), "does not exist")
+    fails_with(capsys, lambda: train.load_pairs(str(tmp_path / "missing.csv"), columns), "does not exist")
 
 
 def test_csv_fields_are_texts_as_written(tmp_path):
     """Read as text, not parsed: pandas made "007" 7, "1e3" 1000.0 and "NA" an empty field."""
     (tmp_path / "numeric.csv").write_text("anchor,positive\n007,1e3\n42,2.50\n")
-    loaded, _ = train.load_pairs(str(tmp_path / "numeric.csv"), train.parse_columns(""))
+    loaded, _ = train.load_pairs(str(tmp_path / "numeric.csv"))
     assert loaded.to_dict() == {"anchor": ["007", "42"], "positive": ["1e3", "2.50"]}
     (tmp_path / "missing.csv").write_text("anchor,positive,negative\nNA,null,n/a\n")
-    loaded, _ = train.load_pairs(str(tmp_path / "missing.csv"), train.parse_columns(""))
+    loaded, _ = train.load_pairs(str(tmp_path / "missing.csv"))
     assert loaded[0] == {"anchor": "NA", "positive": "null", "negative_1": "n/a"}
 
 
-def test_model_and_checkpoint_errors(tmp_path, capsys):
+def test_model_and_checkpoint_errors(tmp_path, capsys, monkeypatch):
+    """The checkpoint to resume from is found before anything is loaded: main stops there, or (none found) at
+    the data file, which does not exist here."""
     fails_with(
         capsys, lambda: train.load_model(str(tmp_path / "nowhere"), "cpu"), "no such directory", "--model"
     )
+    run = ("--model", "m", "--data", tmp_path / "missing.jsonl", "--output_dir", tmp_path)
     fails_with(
         capsys,
-        lambda: train.find_checkpoint(str(tmp_path), tmp_path),
+        lambda: run_main(monkeypatch, *run, "--resume_from_checkpoint", tmp_path),
         "not a complete checkpoint",
         "'latest'",
     )
+    # Each written with another seed, so that main names the one it would resume from.
+    state = {"processes": 1, "args": vars(train.parse_args(list(map(str, run)))) | {"seed": 7}}
     for name in ("step_2", "step_10", "step_12.partial"):
-        (tmp_path / name).mkdir()
-    assert train.find_checkpoint("latest", tmp_path) == tmp_path / "step_10"
-    assert train.find_checkpoint("latest", tmp_path / "empty") is None
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+        (tmp_path / "checkpoints" / name / "trainer_state.json").write_text(json.dumps(state))
+    fails_with(
+        capsys,
+        lambda: run_main(monkeypatch, *run, "--resume_from_checkpoint", "latest"),
+        f"{tmp_path / 'checkpoints' / 'step_10'} was written with --seed 7",
+    )
+    empty = ("--output_dir", tmp_path / "empty", "--resume_from_checkpoint", "latest")
+    with pytest.raises(SystemExit, match="missing.jsonl does not exist"):
+        run_main(monkeypatch, *run, *empty)
+    none_found = f"no complete checkpoint in {tmp_path / 'empty' / 'checkpoints'}: starting from scratch"
+    assert none_found in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -619,14 +656,14 @@ def test_batches_hold_no_duplicate_texts_and_follow_seed_and_epoch():
     dataset = datasets.Dataset.from_dict(rows)
 
     def epoch_batches(seed, epoch):
-        order = train.NoDuplicatesOrder(dataset, 4, seed)
-        order.set_epoch(epoch)
-        indices = list(order)
-        assert len(indices) == len(order)
-        return [indices[start : start + 4] for start in range(0, len(indices), 4)]
+        loader = sharded_loader(dataset, "--batch_size", 4, "--chunk_size", 2, "--seed", seed)
+        loader.set_epoch(epoch)
+        batches = list(loader)
+        assert len(batches) == len(loader)
+        return batches
 
     for batch in epoch_batches(0, 0) + epoch_batches(0, 1):
-        texts = [dataset[i][column] for i in batch for column in rows]
+        texts = [text for column in batch.values() for text in column]
         assert len(texts) == len(set(texts))
     assert epoch_batches(0, 1) == epoch_batches(0, 1)
     assert epoch_batches(0, 1) != epoch_batches(0, 0) != epoch_batches(1, 0)
@@ -638,7 +675,7 @@ def test_cross_process_negatives_keep_the_global_batch_free_of_duplicates():
     hold no text twice (each process's own batch did not, their union did). Skipping batches, as a resumed
     run does, replays the same order."""
     import datasets
-    from accelerate.data_loader import prepare_data_loader, skip_first_batches
+    from accelerate.data_loader import skip_first_batches
 
     rng = random.Random(3)  # texts from small pools: batches drawn blindly would repeat some
     documents = [rng.sample(range(150), 2) for _ in range(96)]
@@ -653,15 +690,11 @@ def test_cross_process_negatives_keep_the_global_batch_free_of_duplicates():
 
     def steps(cross_process_negatives, epoch):
         """Each step's batches, one per process, and process 1's batches from its third on, as resumed."""
-        args = train.parse_args(
-            ["--model", "m", "--data", "x.jsonl", "--batch_size", "4", "--chunk_size", "2"]
+        flags = ("--batch_size", 4, "--chunk_size", 2) + (
+            ("--cross_process_negatives",) * cross_process_negatives
         )
-        args.cross_process_negatives = cross_process_negatives
         loaders = [
-            prepare_data_loader(
-                train.make_loader(dataset, args, processes), num_processes=processes, process_index=i
-            )
-            for i in range(processes)
+            sharded_loader(dataset, *flags, processes=processes, process_index=i) for i in range(processes)
         ]
         for loader in loaders:
             loader.set_epoch(epoch)
@@ -684,12 +717,12 @@ def test_cross_process_negatives_keep_the_global_batch_free_of_duplicates():
         assert sum(repeated_texts(step) for step in alone) > 0
 
 
-def test_resuming_with_cross_process_negatives_toggled_is_refused(tmp_path):
-    args = train.parse_args(["--model", "m", "--data", "x.jsonl", "--cross_process_negatives"])
-    state = {"processes": 2, "args": vars(args) | {"cross_process_negatives": False}}
+def test_resuming_with_cross_process_negatives_toggled_is_refused(tmp_path, monkeypatch):
+    flags = ["--model", "m", "--data", "x.jsonl", "--cross_process_negatives"]
+    state = {"processes": 2, "args": vars(train.parse_args(flags)) | {"cross_process_negatives": False}}
     (tmp_path / "trainer_state.json").write_text(json.dumps(state))
     with pytest.raises(SystemExit, match="written with --cross_process_negatives False: the data order"):
-        train.resume_training(None, tmp_path, args, None, processes=2)
+        run_main(monkeypatch, *flags, "--output_dir", tmp_path / "run", "--resume_from_checkpoint", tmp_path)
 
 
 def test_evaluator_retrieves_each_query_positive_among_distinct_positives():
