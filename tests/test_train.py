@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -636,6 +637,48 @@ def test_model_and_checkpoint_errors(tmp_path, capsys, monkeypatch):
         run_main(monkeypatch, *run, *empty)
     none_found = f"no complete checkpoint in {tmp_path / 'empty' / 'checkpoints'}: starting from scratch"
     assert none_found in capsys.readouterr().out
+
+
+def test_a_second_run_into_the_same_folder_is_refused_unless_overwrite(
+    tmp_path, data, model_without_dropout, monkeypatch
+):
+    common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", "", "--batch_size", 8)
+    common += ("--chunk_size", 4, "--max_steps", 1, "--wandb_mode", "disabled")
+    launch(CONFIGS / "cpu.yaml", tmp_path, *common)
+    first = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    assert tmp_path / "final" / "model.safetensors" in first
+
+    second = launch(CONFIGS / "cpu.yaml", tmp_path, *common, "--lr", 1e-3, check=False)
+    assert second.returncode != 0
+    refusal = f"{tmp_path} holds a previous run (final/ and checkpoints/). Continue it with"
+    assert refusal in second.stderr and "--resume_from_checkpoint" in second.stderr
+    assert "--overwrite" in second.stderr
+    assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == first
+
+    before = weights(tmp_path / "final")
+    run_main(monkeypatch, *common, "--lr", 1e-3, "--output_dir", tmp_path, "--overwrite")
+    assert max_difference(weights(tmp_path / "final"), before) > 0  # the second run's model
+
+
+def test_default_run_names_tell_runs_apart():
+    def at(when):
+        return time.strptime(when, "%Y-%m-%d %H:%M")
+
+    name = train.default_run_name(
+        "models/all-MiniLM-L6-v2", "data/wordnet_train.jsonl.gz", at("2026-12-01 12:30")
+    )
+    assert name == "all-MiniLM-L6-v2-wordnet_train-20261201-1230"
+    later = train.default_run_name(
+        "models/all-MiniLM-L6-v2", "data/wordnet_train.jsonl.gz", at("2026-12-01 12:31")
+    )
+    assert later != name
+    assert train.default_run_name("org/bge-small", "org/all-nli:train", at("2026-12-01 12:30")).startswith(
+        "bge-small-all-nli-"
+    )
+    args = train.parse_args(["--data", "somewhere/pairs.csv"])
+    assert args.run_name.startswith("all-MiniLM-L6-v2-pairs-")
+    assert args.output_dir == str(Path("runs") / args.run_name)
+    assert train.parse_args(["--model", "m", "--run_name", "mine"]).output_dir == str(Path("runs") / "mine")
 
 
 # ---------------------------------------------------------------------------------------------------------
