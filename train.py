@@ -144,7 +144,11 @@ add("--max_train_examples", type=int, default=None, help="a seeded subset; defau
 add("--dev_queries", type=int, default=500, help="dev anchors used as queries; the corpus: all dev positives")
 # Batches
 add("--batch_size", type=int, default=128, help="contrastive batch per process")
-add("--chunk_size", type=int, help="Gradient Cache chunk: examples per forward and backward (32)")
+add(
+    "--chunk_size",
+    type=int,
+    help="Gradient Cache chunk: examples per forward and backward; default: 32, or --batch_size if smaller",
+)
 add("--chunk_tokens", type=int, default=None, help="or chunks of as many examples as fit in N padded tokens")
 add("--gradient_accumulation_steps", type=int, default=1, help="batches per optimizer step")
 add("--auto_chunk_size", action="store_true", help="on out-of-memory, halve the chunk and redo the step")
@@ -227,7 +231,7 @@ def parse_args(argv=None):
             "Keep one (--chunk_tokens keeps memory flat when text lengths vary)."
         )
     if args.chunk_tokens is None and args.chunk_size is None:
-        args.chunk_size = 32
+        args.chunk_size = min(32, args.batch_size)
     for name in ("batch_size", "chunk_size", "chunk_tokens", "gradient_accumulation_steps", "epochs"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}.")
@@ -311,7 +315,19 @@ def load_data(args, accelerator):
         dev_data = load_pairs(args.dev_data, *checks)[0] if args.dev_data else None
     if 0 < args.max_train_examples < len(train_data):
         train_data = train_data.shuffle(seed=args.seed).select(range(args.max_train_examples))
+    if negatives_per_example(args, accelerator.num_processes, train_data) == 0:  # the loss would be 0
+        fail(
+            f"--batch_size {args.batch_size} on pairs without hard negatives leaves each anchor no negative "
+            "to score against, so nothing would train. Raise --batch_size or add hard negatives."
+        )
     return train_data, dev_data, skipped_records
+
+
+def negatives_per_example(args, processes, train_data):
+    """The wrong candidates each anchor is scored against: (batch x (1 + hard negatives)) - 1, the batch
+    that of all processes with --cross_process_negatives."""
+    contrasted = args.batch_size * (processes if args.cross_process_negatives else 1)
+    return contrasted * (len(train_data.column_names) - 1) - 1
 
 
 def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000):
@@ -975,11 +991,10 @@ def derive_numbers(args, accelerator, loader, train_data, skipped_records):
         )
     steps_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
     processes = accelerator.num_processes
-    contrasted = args.batch_size * (processes if args.cross_process_negatives else 1)
     return {
         "processes": processes,
         "effective_batch_size": args.batch_size * processes * args.gradient_accumulation_steps,
-        "negatives_per_example": contrasted * (len(train_data.column_names) - 1) - 1,
+        "negatives_per_example": negatives_per_example(args, processes, train_data),
         "chunks_per_column": math.ceil(args.batch_size / args.chunk_size) if args.chunk_size else "by tokens",
         "train_examples": len(train_data),
         "skipped_records": skipped_records,

@@ -495,6 +495,33 @@ def test_argument_errors_say_what_to_do(capsys):
     assert train.parse_args(["--eval_steps", "0", "--log_steps", "0", "--save_steps", "0"]).save_steps == 0
 
 
+def test_the_default_chunk_is_never_larger_than_the_batch(capsys):
+    assert train.parse_args(["--model", "m", "--batch_size", "16"]).chunk_size == 16
+    assert train.parse_args(["--model", "m", "--batch_size", "64"]).chunk_size == 32
+    fails_with(
+        capsys,
+        lambda: train.parse_args(["--model", "m", "--batch_size", "16", "--chunk_size", "32"]),
+        "--chunk_size 32 is larger than --batch_size 16",
+    )
+
+
+def test_an_anchor_without_negatives_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    pairs = write_rows(tmp_path / "pairs.jsonl", [{"anchor": f"a{i}", "positive": f"p{i}"} for i in range(4)])
+    run = ("--model", tmp_path / "nowhere", "--output_dir", tmp_path / "run", "--batch_size", 1)
+    fails_with(
+        capsys,
+        lambda: run_main(monkeypatch, *run, "--data", pairs),
+        "--batch_size 1 on pairs without hard negatives leaves each anchor no negative",
+        "Raise --batch_size or add hard negatives.",
+    )
+    # One hard negative, or a second pair in the batch, is one negative: on to the model, which is missing.
+    triples = write_rows(tmp_path / "triples.jsonl", [{"anchor": "a", "positive": "p", "negative": "n"}])
+    fails_with(capsys, lambda: run_main(monkeypatch, *run, "--data", triples), "no such directory")
+    fails_with(
+        capsys, lambda: run_main(monkeypatch, *run, "--data", pairs, "--batch_size", 2), "no such directory"
+    )
+
+
 def test_max_grad_norm_and_max_bad_steps_are_validated(capsys):
     fails_with(
         capsys, lambda: train.parse_args(["--max_grad_norm", "-1"]), "--max_grad_norm must be 0 (no clipping)"
