@@ -104,7 +104,15 @@ import gradcache
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_TRAIN, DEFAULT_DEV = str(DATA_DIR / "wordnet_train.jsonl.gz"), str(DATA_DIR / "wordnet_dev.jsonl.gz")
 
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and every flag's default after its help unless the help states it."""
+
+    def _get_help_string(self, action):
+        return action.help if "default" in (action.help or "") else super()._get_help_string(action)
+
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
 add = parser.add_argument
 # Model
 add(
@@ -118,7 +126,7 @@ add("--document_prompt", default=None, help="prepended to positives and negative
 add("--similarity", choices=["cos", "dot"], default=None, help="of the loss; default: the model's")
 add("--lora_r", type=int, default=0, help="train a LoRA adapter of this rank instead of all the weights")
 add("--lora_alpha", type=float, default=None, help="LoRA scaling numerator; default: 2 * --lora_r")
-add("--lora_dropout", type=float, default=0.0)
+add("--lora_dropout", type=float, default=0.0, help="dropout on the LoRA adapter's input")
 add("--lora_target_modules", default="all-linear", help="comma-separated module names, or all-linear")
 add("--gradient_checkpointing", action="store_true", help="recompute each chunk's activations in backward")
 # Data
@@ -159,19 +167,25 @@ add("--symmetric", action="store_true", help="add the positive -> anchor directi
 add(
     "--matryoshka_dims",
     default="",
-    help="e.g. 384,256,128,64: add the loss on each renormalized prefix; list the full dimension to train it",
+    help="e.g. 384,256,128,64: add the loss on each renormalized prefix; list the full dimension to train "
+    "it; default: none",
 )
 add("--matryoshka_weights", default="", help="one weight per --matryoshka_dims entry; default 1 each")
 add("--loss_tile_size", type=int, default=None, help="score tile of the tiled loss; default: automatic")
 # Optimization
 add("--lr", type=float, default=2e-4, help="AdamW peak learning rate")
-add("--weight_decay", type=float, default=0.01)
+add("--weight_decay", type=float, default=0.01, help="AdamW decoupled weight decay")
 add("--lr_schedule", choices=["linear", "cosine"], default="linear", help="decay after the warmup")
 add("--warmup_ratio", type=float, default=0.1, help="fraction of the steps spent warming up")
 add("--max_grad_norm", type=float, default=1.0, help="gradient clipping, DeepSpeed included; 0: none")
-add("--epochs", type=int, default=1)
+add("--epochs", type=int, default=1, help="passes over the training data")
 add("--max_steps", type=int, default=0, help="optimizer steps; overrides --epochs when > 0")
-add("--seed", type=int, default=42)
+add(
+    "--seed",
+    type=int,
+    default=42,
+    help="of the data subset and order, dropout and a LoRA adapter's initialization",
+)
 add(
     "--max_bad_steps",
     type=int,
@@ -202,7 +216,7 @@ add(
     help="start over in an --output_dir that holds a previous run, deleting its checkpoints/ and final/",
 )
 add("--wandb_mode", choices=["online", "offline", "disabled"], default="offline", help="offline: no account")
-add("--wandb_project", default="gradcache")
+add("--wandb_project", default="gradcache", help="wandb project; TensorBoard's subfolder too")
 
 
 def parse_args(argv=None):

@@ -495,6 +495,19 @@ def test_argument_errors_say_what_to_do(capsys):
     assert train.parse_args(["--eval_steps", "0", "--log_steps", "0", "--save_steps", "0"]).save_steps == 0
 
 
+def test_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere
+    for flag, default in (("save_steps", 500), ("eval_steps", 100), ("batch_size", 128), ("lr", 0.0002)):
+        help_text = shown.split(f"--{flag} {flag.upper()} ")[1].split(" --")[0]
+        assert help_text.endswith(f"(default: {default})")
+    assert "default: 32, or --batch_size if smaller" in shown
+    formatter = train.HelpFormatter("train.py")
+    undocumented = [a.dest for a in train.parser._actions if "default" not in formatter._get_help_string(a)]
+    assert undocumented == ["help"]
+
+
 def test_the_default_chunk_is_never_larger_than_the_batch(capsys):
     assert train.parse_args(["--model", "m", "--batch_size", "16"]).chunk_size == 16
     assert train.parse_args(["--model", "m", "--batch_size", "64"]).chunk_size == 32
