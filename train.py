@@ -387,7 +387,8 @@ def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000
 
 # The fields each role is read from when --columns does not name them: sentence-transformers' names, then
 # FlagEmbedding's (query, pos, neg). Negatives by default: every field named negative, negatives, negative_1,
-# negative2, neg..., never negative_score or other metadata. A new role is a line here.
+# negative2, neg..., never negative_score or other metadata. A role added here is read, checked and kept as
+# a column; the step hands every column to the loss in this order, the negatives last.
 DEFAULT_FIELDS = {"anchor": ("anchor", "query"), "positive": ("positive", "pos")}
 NEGATIVE_FIELD = re.compile(r"(negative|neg)s?(_?\d+)?")
 MAP_YOURS = "Map yours with --columns, e.g. --columns anchor=question,positive=answer,negatives=neg1+neg2"
