@@ -118,6 +118,7 @@ add("--lora_r", type=int, default=0, help="train a LoRA adapter of this rank ins
 add("--lora_alpha", type=float, default=None, help="LoRA scaling numerator; default: 2 * --lora_r")
 add("--lora_dropout", type=float, default=0.0)
 add("--lora_target_modules", default="all-linear", help="comma-separated module names, or all-linear")
+add("--merge_lora", action="store_true", help="save final/ with the adapter merged in: loads without peft")
 add("--gradient_checkpointing", action="store_true", help="recompute each chunk's activations in backward")
 # Data
 add(
@@ -242,6 +243,8 @@ def parse_args(argv=None):
     args.matryoshka_dims, args.matryoshka_weights = parse_matryoshka(
         args.matryoshka_dims, args.matryoshka_weights
     )
+    if args.merge_lora and not args.lora_r:
+        parser.error("--merge_lora merges a LoRA adapter into the model: add --lora_r, or drop --merge_lora.")
     if args.loss_tile_size is not None and args.loss_tile_size < 1:
         parser.error(f"--loss_tile_size must be at least 1, got {args.loss_tile_size} (omit it: automatic).")
     return args
@@ -620,6 +623,10 @@ def prepare_model(model, args):
             target_modules=targets if targets == "all-linear" else targets.split(","),
         )
         for transformer in transformers:  # one per tower of a Router model
+            # adapter_config.json names the base model as loaded: a local folder as typed would load final/
+            # only from the launch folder, so make it absolute (a hub name stays one).
+            if Path(transformer.name_or_path).exists():
+                transformer.name_or_path = str(Path(transformer.name_or_path).resolve())
             transformer.add_adapter(config)  # freezes the other weights; model.save writes the adapter
     if args.gradient_checkpointing:
         # The reentrant variant back-propagates nothing when a layer's inputs need no gradient (LoRA).
@@ -847,7 +854,7 @@ def main(args):
         if last:
             break
     bar.close()
-    finish(accelerator, model, args, first_eval, last_eval)
+    finish(accelerator, model, args, prompts, first_eval, last_eval)
 
 
 def make_accelerator(args):
@@ -1038,9 +1045,11 @@ def log_training(accelerator, engine, progress, window, derived, batches_per_epo
     accelerator.log(metrics, step=progress.global_step)
 
 
-def finish(accelerator, model, args, first_eval, last_eval):
+def finish(accelerator, model, args, prompts, first_eval, last_eval):
     final = Path(args.output_dir) / "final"
-    save_final_model(accelerator, model, final)
+    # encode_query and encode_document of the saved model prepend what training did ("" for none)
+    model.prompts = model.prompts | {role: prompt or "" for role, prompt in prompts.items()}
+    save_final_model(accelerator, model, final, args.merge_lora)
     accelerator.print(f"saved {final}: load it with SentenceTransformer(path)")
     for name in ("mrr@10", "ndcg@10", "recall@10"):  # scored by the model's similarity: cosine, dot
         name = f"eval/dev_{model.similarity_fn_name}_{name}"
@@ -1169,7 +1178,7 @@ def latest_checkpoint(checkpoints_dir):
     return next(reversed(complete_checkpoints(checkpoints_dir)), None)
 
 
-def save_final_model(accelerator, model, path):
+def save_final_model(accelerator, model, path, merge_lora=False):
     """Save in sentence-transformers format. Under ZeRO-3 every process gathers the partitioned parameters
     and the main process saves them whole.
 
@@ -1182,8 +1191,25 @@ def save_final_model(accelerator, model, path):
             module._weight_conversions = [renaming for renaming in renamings if renaming.was_used()]
     with gathered_parameters(model):
         if accelerator.is_main_process:
+            if merge_lora:
+                merge_lora_adapters(model)
             model.save(str(path))
     accelerator.wait_for_everyone()
+
+
+def merge_lora_adapters(model):
+    """Fold every LoRA adapter into the weights it adapts (peft's merge, then the base layer back in place):
+    the model saves as a plain one, which loads without peft. Training ends here: the adapter is gone."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for transformer in [module for module in model.modules() if isinstance(module, PreTrainedModel)]:
+        for name, layer in list(transformer.named_modules()):
+            if isinstance(layer, BaseTunerLayer):
+                layer.merge()
+                parent, _, attribute = name.rpartition(".")
+                setattr(transformer.get_submodule(parent), attribute, layer.get_base_layer())
+        transformer._hf_peft_config_loaded = False  # else save_pretrained writes the adapter alone
+        del transformer.peft_config
 
 
 def gathered_parameters(model):
