@@ -48,6 +48,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -176,8 +177,8 @@ add(
 # Evaluation, logging, checkpoints
 add("--eval_steps", type=int, default=100, help="evaluate every N steps, before and after training; 0: never")
 add("--log_steps", type=int, default=1, help="log training metrics every N steps; 0: never")
-add("--save_steps", type=int, default=500, help="checkpoint every N steps, and at the end; 0: never")
-add("--save_total_limit", type=int, default=0, help="keep only the newest N checkpoints; 0 keeps all")
+add("--save_steps", type=int, default=500, help="checkpoint every N steps (500), and at the end; 0: never")
+add("--save_total_limit", type=int, default=3, help="keep only the newest N checkpoints (3); 0 keeps all")
 add(
     "--save_on_each_node",
     action="store_true",
@@ -775,6 +776,7 @@ def main(args):
     start_tracking(accelerator, args, derived)
     progress = resume_training(accelerator, *resume, args, scheduler) if resume else Progress()
     total_steps, checkpoints_dir = derived["total_steps"], Path(args.output_dir) / "checkpoints"
+    signals = stop_on_signals()  # preemption: saved at the next optimizer step, then the run stops
 
     # --- The loop: an optimizer step every --gradient_accumulation_steps batches ---
     first_eval = last_eval = None
@@ -846,6 +848,10 @@ def main(args):
                 grad_norm=float("nan") if grad_norm is None else float(grad_norm), **chunking,
             )  # fmt: skip
             window = LogWindow()
+        if not last and stop_agreed(accelerator, signals):
+            state = dataclasses.asdict(progress) | {"processes": derived["processes"], "args": vars(args)}
+            save_checkpoint(accelerator, checkpoints_dir, state, args.save_total_limit)
+            stop_preempted(accelerator, signals, checkpoints_dir / f"step_{progress.global_step}")
         if evaluator and (progress.global_step % args.eval_steps == 0 or last):
             last_eval = evaluate(evaluator, model, accelerator, progress.global_step)
         if args.save_steps and (progress.global_step % args.save_steps == 0 or last):
@@ -1043,6 +1049,32 @@ def log_training(accelerator, engine, progress, window, derived, batches_per_epo
     if (scale := loss_scale(accelerator, engine)) is not None:
         metrics["train/loss_scale"] = float(scale)
     accelerator.log(metrics, step=progress.global_step)
+
+
+def stop_on_signals():
+    """SIGTERM (a cluster's notice before SIGKILL) and Ctrl-C only record their name in the returned set: the
+    loop saves at the next optimizer step. A second signal, during the save too, changes nothing."""
+    received = set()
+    for signal_number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signal_number, lambda number, frame: received.add(signal.Signals(number).name))
+    return received
+
+
+def stop_agreed(accelerator, signals):
+    """Whether any process received a signal: one all-reduce, so that all save and stop at the same step."""
+    flag = torch.tensor(float(bool(signals)), device=accelerator.device)
+    return accelerator.reduce(flag, "sum").item() > 0
+
+
+def stop_preempted(accelerator, signals, checkpoint):
+    """Exit 0 after the checkpoint: a launcher (accelerate's, torchrun) reports any other code as a crash."""
+    why = ", ".join(sorted(signals)) or "a signal to another process"
+    accelerator.print(
+        f"stopped by {why}: saved {checkpoint}. Continue with the same command and "
+        "--resume_from_checkpoint latest"
+    )
+    accelerator.end_training()
+    sys.exit(0)
 
 
 def finish(accelerator, model, args, prompts, first_eval, last_eval):
