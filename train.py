@@ -50,6 +50,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -128,6 +129,7 @@ add("--lora_r", type=int, default=0, help="train a LoRA adapter of this rank ins
 add("--lora_alpha", type=float, default=None, help="LoRA scaling numerator; default: 2 * --lora_r")
 add("--lora_dropout", type=float, default=0.0, help="dropout on the LoRA adapter's input")
 add("--lora_target_modules", default="all-linear", help="comma-separated module names, or all-linear")
+add("--merge_lora", action="store_true", help="save final/ with the adapter merged in: loads without peft")
 add("--gradient_checkpointing", action="store_true", help="recompute each chunk's activations in backward")
 # Data
 add(
@@ -195,8 +197,8 @@ add(
 # Evaluation, logging, checkpoints
 add("--eval_steps", type=int, default=100, help="evaluate every N steps, before and after training; 0: never")
 add("--log_steps", type=int, default=1, help="log training metrics every N steps; 0: never")
-add("--save_steps", type=int, default=500, help="checkpoint every N steps, and at the end; 0: never")
-add("--save_total_limit", type=int, default=0, help="keep only the newest N checkpoints; 0 keeps all")
+add("--save_steps", type=int, default=500, help="checkpoint every N steps (500), and at the end; 0: never")
+add("--save_total_limit", type=int, default=3, help="keep only the newest N checkpoints (3); 0 keeps all")
 add(
     "--save_on_each_node",
     action="store_true",
@@ -274,6 +276,8 @@ def parse_args(argv=None):
     args.matryoshka_dims, args.matryoshka_weights = parse_matryoshka(
         args.matryoshka_dims, args.matryoshka_weights
     )
+    if args.merge_lora and not args.lora_r:
+        parser.error("--merge_lora merges a LoRA adapter into the model: add --lora_r, or drop --merge_lora.")
     if args.loss_tile_size is not None and args.loss_tile_size < 1:
         parser.error(f"--loss_tile_size must be at least 1, got {args.loss_tile_size} (omit it: automatic).")
     return args
@@ -672,6 +676,10 @@ def prepare_model(model, args):
             target_modules=targets if targets == "all-linear" else targets.split(","),
         )
         for transformer in transformers:  # one per tower of a Router model
+            # adapter_config.json names the base model as loaded: a local folder as typed would load final/
+            # only from the launch folder, so make it absolute (a hub name stays one).
+            if Path(transformer.name_or_path).exists():
+                transformer.name_or_path = str(Path(transformer.name_or_path).resolve())
             transformer.add_adapter(config)  # freezes the other weights; model.save writes the adapter
     if args.gradient_checkpointing:
         # The reentrant variant back-propagates nothing when a layer's inputs need no gradient (LoRA).
@@ -821,6 +829,7 @@ def main(args):
     start_tracking(accelerator, args, derived)
     progress = resume_training(accelerator, *resume, args, scheduler) if resume else Progress()
     total_steps, checkpoints_dir = derived["total_steps"], Path(args.output_dir) / "checkpoints"
+    signals = stop_on_signals()  # preemption: saved at the next optimizer step, then the run stops
 
     # --- The loop: an optimizer step every --gradient_accumulation_steps batches ---
     first_eval = last_eval = None
@@ -892,6 +901,10 @@ def main(args):
                 grad_norm=float("nan") if grad_norm is None else float(grad_norm), **chunking,
             )  # fmt: skip
             window = LogWindow()
+        if not last and stop_agreed(accelerator, signals):
+            state = dataclasses.asdict(progress) | {"processes": derived["processes"], "args": vars(args)}
+            save_checkpoint(accelerator, checkpoints_dir, state, args.save_total_limit)
+            stop_preempted(accelerator, signals, checkpoints_dir / f"step_{progress.global_step}")
         if evaluator and (progress.global_step % args.eval_steps == 0 or last):
             last_eval = evaluate(evaluator, model, accelerator, progress.global_step)
         if args.save_steps and (progress.global_step % args.save_steps == 0 or last):
@@ -900,7 +913,7 @@ def main(args):
         if last:
             break
     bar.close()
-    finish(accelerator, model, args, first_eval, last_eval)
+    finish(accelerator, model, args, prompts, first_eval, last_eval)
 
 
 def make_accelerator(args):
@@ -1116,9 +1129,37 @@ def log_training(accelerator, engine, progress, window, derived, batches_per_epo
     accelerator.log(metrics, step=progress.global_step)
 
 
-def finish(accelerator, model, args, first_eval, last_eval):
+def stop_on_signals():
+    """SIGTERM (a cluster's notice before SIGKILL) and Ctrl-C only record their name in the returned set: the
+    loop saves at the next optimizer step. A second signal, during the save too, changes nothing."""
+    received = set()
+    for signal_number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signal_number, lambda number, frame: received.add(signal.Signals(number).name))
+    return received
+
+
+def stop_agreed(accelerator, signals):
+    """Whether any process received a signal: one all-reduce, so that all save and stop at the same step."""
+    flag = torch.tensor(float(bool(signals)), device=accelerator.device)
+    return accelerator.reduce(flag, "sum").item() > 0
+
+
+def stop_preempted(accelerator, signals, checkpoint):
+    """Exit 0 after the checkpoint: a launcher (accelerate's, torchrun) reports any other code as a crash."""
+    why = ", ".join(sorted(signals)) or "a signal to another process"
+    accelerator.print(
+        f"stopped by {why}: saved {checkpoint}. Continue with the same command and "
+        "--resume_from_checkpoint latest"
+    )
+    accelerator.end_training()
+    sys.exit(0)
+
+
+def finish(accelerator, model, args, prompts, first_eval, last_eval):
     final = Path(args.output_dir) / "final"
-    save_final_model(accelerator, model, final)
+    # encode_query and encode_document of the saved model prepend what training did ("" for none)
+    model.prompts = model.prompts | {role: prompt or "" for role, prompt in prompts.items()}
+    save_final_model(accelerator, model, final, args.merge_lora)
     accelerator.print(f"saved {final}: load it with SentenceTransformer(path)")
     for name in ("mrr@10", "ndcg@10", "recall@10"):  # scored by the model's similarity: cosine, dot
         name = f"eval/dev_{model.similarity_fn_name}_{name}"
@@ -1247,7 +1288,7 @@ def latest_checkpoint(checkpoints_dir):
     return next(reversed(complete_checkpoints(checkpoints_dir)), None)
 
 
-def save_final_model(accelerator, model, path):
+def save_final_model(accelerator, model, path, merge_lora=False):
     """Save in sentence-transformers format. Under ZeRO-3 every process gathers the partitioned parameters
     and the main process saves them whole.
 
@@ -1260,8 +1301,25 @@ def save_final_model(accelerator, model, path):
             module._weight_conversions = [renaming for renaming in renamings if renaming.was_used()]
     with gathered_parameters(model):
         if accelerator.is_main_process:
+            if merge_lora:
+                merge_lora_adapters(model)
             model.save(str(path))
     accelerator.wait_for_everyone()
+
+
+def merge_lora_adapters(model):
+    """Fold every LoRA adapter into the weights it adapts (peft's merge, then the base layer back in place):
+    the model saves as a plain one, which loads without peft. Training ends here: the adapter is gone."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for transformer in [module for module in model.modules() if isinstance(module, PreTrainedModel)]:
+        for name, layer in list(transformer.named_modules()):
+            if isinstance(layer, BaseTunerLayer):
+                layer.merge()
+                parent, _, attribute = name.rpartition(".")
+                setattr(transformer.get_submodule(parent), attribute, layer.get_base_layer())
+        transformer._hf_peft_config_loaded = False  # else save_pretrained writes the adapter alone
+        del transformer.peft_config
 
 
 def gathered_parameters(model):

@@ -391,3 +391,49 @@ def test_mined_hard_negatives_are_train_data(tmp_path, data):
     # The false-negative margin reaches sentence-transformers: a margin of 2 on cosine scores drops all.
     strict = mine.main([*common, "--out", str(tmp_path / "strict.jsonl"), "--absolute_margin", "2"])
     assert len(strict) < len(mined)
+
+
+def test_final_loads_from_anywhere_and_encodes_with_the_prompts_of_training(tmp_path, data, monkeypatch):
+    """A LoRA run on a model given by a relative path, with a query prompt: final/ loads from another folder
+    (adapter_config.json names the base model by its absolute path), and its encode_query and
+    encode_document prepend what training prepended."""
+    from sentence_transformers import SentenceTransformer
+
+    repo = tmp_path / "their_repo"
+    repo.mkdir()
+    for name in ("train.py", "gradcache.py"):
+        shutil.copy(REPO / name, repo / name)
+    shutil.copytree(build_tiny_model(tmp_path, dropout=0.0), repo / "hf_tiny_bert")
+    launch(
+        CONFIGS / "cpu.yaml", tmp_path / "run", "--model", "hf_tiny_bert", "--data", data[0],
+        "--dev_data", "",
+        "--batch_size", 8, "--chunk_size", 4, "--max_steps", 2, "--lr", 1e-2, "--wandb_mode", "disabled",
+        "--lora_r", 4, "--query_prompt", "w1 ", script=repo / "train.py",
+    )  # fmt: skip
+    final = tmp_path / "run" / "final"
+    adapter = json.loads(next(final.rglob("adapter_config.json")).read_text())
+    assert adapter["base_model_name_or_path"] == str(repo / "hf_tiny_bert")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    model = SentenceTransformer(str(final), device="cpu")
+    assert any("lora_B" in name for name, _ in model.named_parameters())
+    texts = ["w2 w3 a1", "w4 p2"]
+    assert model.prompts["query"] == "w1 " and model.prompts["document"] == ""
+    encode = functools.partial(model.encode, convert_to_tensor=True)
+    assert torch.equal(model.encode_query(texts, convert_to_tensor=True), encode(["w1 " + t for t in texts]))
+    assert torch.equal(model.encode_document(texts, convert_to_tensor=True), encode(texts))
+
+
+def test_merge_lora_saves_a_full_model_that_loads_without_peft(tmp_path, data, monkeypatch):
+    model = build_tiny_model(tmp_path, dropout=0.0)
+    launch(
+        CONFIGS / "cpu.yaml", tmp_path / "run", "--model", model, "--data", data[0], "--dev_data", "",
+        "--batch_size", 8, "--chunk_size", 4, "--max_steps", 2, "--lr", 1e-2, "--wandb_mode", "disabled",
+        "--lora_r", 4, "--merge_lora",
+    )  # fmt: skip
+    final = tmp_path / "run" / "final"
+    assert not list(final.rglob("adapter_config.json"))
+    initial = weights(model)
+    monkeypatch.setitem(sys.modules, "peft", None)  # unimportable
+    merged = weights(final)
+    assert max_difference(merged, initial) > 1e-4  # the same parameter names, the adapter folded in

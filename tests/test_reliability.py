@@ -69,6 +69,44 @@ def test_killed_at_a_checkpoint_the_run_resumes_bit_for_bit(
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_4", "step_6"]
 
 
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
+def test_a_signal_saves_a_checkpoint_and_the_run_resumes_bit_for_bit(
+    signal_name, tmp_path, data, model_with_dropout, uninterrupted
+):
+    """SIGTERM (preemption) or Ctrl-C during step 3, and again while its checkpoint is written: the run saves
+    step_3 whole, says how to resume and exits 0; resumed, it reaches the uninterrupted run's weights."""
+    args = ("--model", model_with_dropout, "--data", data[0], "--max_steps", 6, "--save_steps", 2)
+    stopped = launch_with_faults(tmp_path, *args, faults={"GRADCACHE_FAULT_SIGNAL": f"{signal_name}:3"})
+    checkpoints = tmp_path / "checkpoints"
+    assert f"stopped by {signal_name}: saved {checkpoints / 'step_3'}." in stopped.stdout
+    assert "--resume_from_checkpoint latest" in stopped.stdout
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_2", "step_3"]
+    assert (checkpoints / "step_3" / "trainer_state.json").is_file()
+    assert not (tmp_path / "final").exists()
+
+    resumed = launch_with_faults(tmp_path, *args, "--resume_from_checkpoint", "latest")
+    assert f"resumed from {checkpoints / 'step_3'}:" in resumed.stdout
+    resumed, reference = weights(tmp_path / "final"), weights(uninterrupted / "final")
+    assert all(torch.equal(resumed[name], reference[name]) for name in reference)
+
+
+def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path, data, model_with_dropout):
+    """Only rank 1 gets SIGTERM: the all-reduce of the flag stops rank 0 too, at the same step, and the
+    resumed run reaches the uninterrupted one's weights (also: a signal saves with --save_steps 0)."""
+    args = ("--model", model_with_dropout, "--data", data[0], "--max_steps", 4, "--save_steps", 0)
+    faults = {"GRADCACHE_FAULT_SIGNAL": "SIGTERM:2", "GRADCACHE_FAULT_RANK": "1"}
+    launch_with_faults(tmp_path / "straight", *args, processes=2)
+    stopped = launch_with_faults(tmp_path / "stopped", *args, faults=faults, processes=2)
+    checkpoint = tmp_path / "stopped" / "checkpoints" / "step_2"
+    assert f"stopped by a signal to another process: saved {checkpoint}." in stopped.stdout
+    assert not (tmp_path / "stopped" / "final").exists()
+    resume = ("--resume_from_checkpoint", "latest")
+    resumed = launch_with_faults(tmp_path / "stopped", *args, *resume, processes=2)
+    assert f"resumed from {checkpoint}:" in resumed.stdout
+    resumed, reference = weights(tmp_path / "stopped" / "final"), weights(tmp_path / "straight" / "final")
+    assert all(torch.equal(resumed[name], reference[name]) for name in reference)
+
+
 class Process:
     """One process of a two-machine job, as save_checkpoint sees it: wait_for_everyone is a barrier, and
     save_state writes this process's file (accelerate: the main process the model, each its RNG state)."""

@@ -13,6 +13,8 @@ this module at start-up. Without a GRADCACHE_FAULT_* variable it does nothing.
   GRADCACHE_FAULT_OOM_SYNC=1                       the backward that synchronizes the processes raises
                                                    torch.OutOfMemoryError (where the others already wait)
   GRADCACHE_FAULT_OOM_FORWARD=<n>                  the n-th forward of the run raises torch.OutOfMemoryError
+  GRADCACHE_FAULT_SIGNAL=<SIGTERM|SIGINT>:<n>      that signal to this process at the n-th step, and again
+                                                   while the checkpoint it leads to is written
   GRADCACHE_FAULT_RANK=<r>                         only process r is faulty (default: all)
 
 Not a fault but a stand-in, on every process:
@@ -23,6 +25,7 @@ Not a fault but a stand-in, on every process:
 """
 
 import os
+import signal
 
 FAULTS = {k: v for k, v in os.environ.items() if k.startswith("GRADCACHE_FAULT_")}
 
@@ -110,6 +113,8 @@ def install_step_faults():
 
     def faulty_cache(*args):
         step["count"] += 1
+        if step["count"] == signal_step:
+            os.kill(os.getpid(), signal_number)
         loss, rep_grads = cache(*args)
         if step["count"] in steps("GRADCACHE_FAULT_NAN"):
             return loss * float("nan"), [g * float("nan") for g in rep_grads]
@@ -124,6 +129,18 @@ def install_step_faults():
             return backpropagate(group, reps, rep_grads, lambda surrogate: backward(surrogate * float("inf")))
         return backpropagate(group, reps, rep_grads, backward)
 
+    if "GRADCACHE_FAULT_SIGNAL" in FAULTS:
+        name, nth = FAULTS["GRADCACHE_FAULT_SIGNAL"].split(":")
+        signal_number, signal_step = getattr(signal, name), int(nth)
+        save_state = accelerate.Accelerator.save_state
+
+        def signalled_save_state(self, *args, **kwargs):
+            os.kill(os.getpid(), signal_number)
+            return save_state(self, *args, **kwargs)
+
+        accelerate.Accelerator.save_state = signalled_save_state
+    else:
+        signal_step = 0
     gradcache.cache_representation_gradients = faulty_cache
     gradcache.backpropagate_cache = faulty_backpropagate
     if oom_forward:
