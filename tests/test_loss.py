@@ -48,6 +48,13 @@ def relative_gradient_difference(grads, reference):
     return max(float((g - r).abs().max()) for g, r in zip(grads, reference, strict=True)) / largest
 
 
+def summed_shares(loss_fn, reps, bounds):
+    """(loss, gradients) summed over the shares of a partition of the rows: what the processes compute
+    under cross-process negatives, each its own rows against every candidate."""
+    shares = [value_and_gradients(loss_fn, reps, local_rows=slice(a, b)) for a, b in bounds]
+    return sum(loss for loss, _ in shares), [sum(g) for g in zip(*[g for _, g in shares], strict=True)]
+
+
 def assert_close(actual, expected):
     (loss, grads), (ref_loss, ref_grads) = actual, expected
     assert abs(float(loss - ref_loss)) <= TOLERANCE * abs(float(ref_loss))
@@ -80,14 +87,9 @@ def test_local_rows_sum_to_the_whole_loss(matryoshka_dims):
     loss_fn = functools.partial(
         gradcache.contrastive_loss, symmetric=True, tile_size=6, matryoshka_dims=matryoshka_dims
     )
-    shares = [
-        value_and_gradients(loss_fn, reps, local_rows=slice(a, b)) for a, b in [(0, 13), (13, 30), (30, 37)]
-    ]
-    summed = (
-        sum(loss for loss, _ in shares),
-        [sum(grads) for grads in zip(*[g for _, g in shares], strict=True)],
+    assert_close(
+        summed_shares(loss_fn, reps, [(0, 13), (13, 30), (30, 37)]), value_and_gradients(loss_fn, reps)
     )
-    assert_close(summed, value_and_gradients(loss_fn, reps))
 
 
 class LargestTensor(TorchDispatchMode):
@@ -285,14 +287,9 @@ def test_masked_local_rows_sum_to_the_whole_masked_loss():
     reps = reps_with_near_duplicates(1)
     spec = gradcache.FalseNegatives(ids=duplicated_ids(1), margin=-0.1)
     loss_fn = functools.partial(gradcache.contrastive_loss, symmetric=True, tile_size=6, false_negatives=spec)
-    shares = [
-        value_and_gradients(loss_fn, reps, local_rows=slice(a, b)) for a, b in [(0, 13), (13, 30), (30, 37)]
-    ]
-    summed = (
-        sum(loss for loss, _ in shares),
-        [sum(grads) for grads in zip(*[g for _, g in shares], strict=True)],
+    assert_close(
+        summed_shares(loss_fn, reps, [(0, 13), (13, 30), (30, 37)]), value_and_gradients(loss_fn, reps)
     )
-    assert_close(summed, value_and_gradients(loss_fn, reps))
 
 
 # ---- distillation from teacher scores ----
@@ -322,9 +319,5 @@ def test_distillation_adds_the_kl_to_the_teacher_over_each_group(temperature):
         return materialized_contrastive_loss(*columns) + kl
 
     assert_close(distilled, value_and_gradients(reference, reps))
-    shares = [
-        value_and_gradients(gradcache.contrastive_loss, reps, local_rows=slice(a, b), **options)
-        for a, b in [(0, 20), (20, 37)]
-    ]
-    summed = (sum(loss for loss, _ in shares), [sum(g) for g in zip(*[g for _, g in shares], strict=True)])
-    assert_close(summed, distilled)  # across processes each computes its own rows' share
+    loss_fn = functools.partial(gradcache.contrastive_loss, **options)
+    assert_close(summed_shares(loss_fn, reps, [(0, 20), (20, 37)]), distilled)  # each process: its rows
