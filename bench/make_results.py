@@ -249,28 +249,28 @@ def speed_miss(ours, other, measurements):
 
 
 def quality_claim(saved):
-    runs = saved["results"]
-    trained = [run for run in runs if run["batch_size"]]
-    if len(trained) < 2:
-        return [], []
-    increasing = all(a["mrr@10"] < b["mrr@10"] for a, b in zip(trained, trained[1:], strict=False))
-    row = [
-        "claim of the paper: a bigger batch gives better representations (equal epochs)",
-        "dev MRR@10 "
-        + ", ".join(f"batch {run['batch_size']}: {run['mrr@10']:.4f}" for run in trained)
-        + f" (before fine-tuning {runs[0]['mrr@10']:.4f})",
-        "holds here" if increasing else "not seen in this run",
-    ]
-    steps = [run.get("optimizer_steps") for run in trained]
-    why = []
-    if not increasing and all(steps):
-        why.append(
-            "Quality: with equal epochs the runs took these optimizer steps: "
-            + ", ".join(f"batch {run['batch_size']}: {n}" for run, n in zip(trained, steps, strict=True))
-            + f", over {saved['settings']['train_examples'] or 'all'} training examples, one run per batch "
-            "size."
+    """The paper's claim and the masks, as bench/quality.py's verdicts computed from the seeds' runs."""
+    import argparse
+
+    from quality import verdicts
+
+    if "runs" not in saved["results"]:  # saved before the seeds and the verdicts
+        return [
+            ["claim of the paper: a bigger batch is better", "one run per point", "rerun bench/quality.py"]
+        ], []
+    rows = [
+        [
+            question
+            if question.startswith("masks")
+            else f"claim of the paper, a bigger batch is better: {question}",
+            f"dev MRR@10 {difference:+.4f} (standard error {error:.4f})",
+            word,
+        ]
+        for question, difference, error, word in verdicts(
+            saved["results"], argparse.Namespace(**saved["settings"])
         )
-    return [row], why
+    ]
+    return rows, []
 
 
 def scale_targets(saved):

@@ -1,26 +1,39 @@
-"""Benchmark 4: does a bigger contrastive batch give better representations on our data?
+"""Benchmark 4: does a bigger contrastive batch train a better model here, and do false-negative masks change
+the answer?
 
-Fine-tunes all-MiniLM-L6-v2 with train.py (through `accelerate launch`) at several batch sizes, same
-chunk, same training examples and number of epochs, and scores each result on the dev split: every dev
-definition retrieves its words among all distinct dev words, MRR@10 (sentence-transformers'
-InformationRetrievalEvaluator). The model before fine-tuning is scored the same way.
+Fine-tunes all-MiniLM-L6-v2 with train.py (through `accelerate launch`, one run per point and seed) and
+scores every result alike on the dev split: each dev definition retrieves its words among all distinct dev
+words, MRR@10 (sentence-transformers' InformationRetrievalEvaluator). Three comparisons, each over several
+seeds (the seed draws the training subset, its order and the dropout):
+
+    equal epochs   every batch size reads the same number of examples once: a bigger batch takes fewer steps
+    equal steps    every batch size takes the optimizer steps the largest batch takes in one epoch: a bigger
+                   batch reads more examples
+    masks          the largest batch with and without train.py's false-negative masks (--mask_flags)
 
 Learning rate: square-root scaling, lr = reference_lr * sqrt(batch / reference_batch), the rule that keeps
 Adam's update noise comparable across batch sizes (Malladi et al., NeurIPS 2022); the reference is
-train.py's default (2e-4 at batch 128). With equal epochs a bigger batch takes fewer optimizer steps.
+train.py's default (2e-4 at batch 128).
 
-    python bench/quality.py                             # CPU: 8192 examples, 1 epoch, 20-35 min on 2 cores
-    python bench/quality.py --device cuda --preset gpu  # one GPU: all 85k examples, 1 epoch, a few minutes
+The verdict of each comparison is computed: the difference of the mean MRR@10 against the standard error of
+that difference over seeds; beyond twice the standard error it is called better or worse, otherwise no
+difference beyond the seed-to-seed spread.
+
+    python bench/quality.py                             # CPU: about an hour on 2 idle cores
+    python bench/quality.py --device cuda --preset gpu  # one GPU: more data, larger batches
     python bench/quality.py --preset smoke              # seconds: the test suite runs this
 
 Writes bench/results/quality_<preset>.{json,md,png}; the training runs go to bench/results/tmp/ and are
 deleted once scored.
 """
 
+import gzip
+import json
 import math
 import re
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -37,37 +50,58 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 DEV_FILE = harness.ROOT / "data" / "wordnet_dev.jsonl.gz"
 ACCELERATE_CONFIGS = {"cpu": "accelerate_configs/cpu.yaml", "cuda": "accelerate_configs/single_gpu.yaml"}
+MASK_FLAGS = "--false_negative_margin=0.1"  # Qwen3-Embedding's rule: above the positive's score + 0.1
 PRESETS = {
     "cpu": {
-        "batch_sizes": [32, 256, 1024],
+        "batch_sizes": [32, 128, 512],
         "chunk_size": 32,
-        "train_examples": 8192,
-        "epochs": 1,
-        "dev_queries": 2000,
+        "train_examples": 4096,
+        "seeds": [1, 2, 3],
+        "dev_queries": 1000,
     },
     "gpu": {
-        "batch_sizes": [32, 256, 1024, 4096],
-        "chunk_size": 32,
-        "train_examples": 0,
-        "epochs": 1,
+        "batch_sizes": [32, 256, 2048],
+        "chunk_size": 64,
+        "train_examples": 65536,
+        "seeds": [1, 2, 3],
         "dev_queries": 2000,
     },
-    "smoke": {"batch_sizes": [8], "chunk_size": 4, "train_examples": 16, "epochs": 1, "dev_queries": 16},
+    "smoke": {"batch_sizes": [4, 8], "chunk_size": 4, "train_examples": 16, "seeds": [1], "dev_queries": 16},
 }
+SIGNIFICANT = 2.0  # standard errors of the difference of two means
 
 parser = harness.benchmark_parser(__doc__, PRESETS)
 parser.add_argument("--batch_sizes", type=int, nargs="+", help="override the preset's batch sizes")
 parser.add_argument("--chunk_size", type=int, help="Gradient Cache chunk of every run")
-parser.add_argument("--train_examples", type=int, help="seeded subset of the training file; 0 for all")
-parser.add_argument("--epochs", type=int, help="epochs of every run")
+parser.add_argument("--train_examples", type=int, help="examples of an equal-epochs run (a seeded subset)")
+parser.add_argument("--seeds", type=int, nargs="+", help="one run per seed at every point")
 parser.add_argument("--dev_queries", type=int, help="dev definitions used as queries")
+parser.add_argument("--mask_flags", default=MASK_FLAGS, help="train.py flags of the masked runs")
 parser.add_argument("--reference_lr", type=float, default=2e-4, help="learning rate at --reference_batch")
 parser.add_argument("--reference_batch", type=int, default=128)
-parser.add_argument("--seed", type=int, default=42)
 
 
 def learning_rate(batch_size, args):
     return args.reference_lr * math.sqrt(batch_size / args.reference_batch)
+
+
+def read_jsonl(path):
+    with gzip.open(path, "rt") as lines:
+        return [json.loads(line) for line in lines]
+
+
+def dev_train_overlap():
+    """How much of the dev split the training file has seen: dev definitions and dev words found in it."""
+    train, dev = read_jsonl(harness.TRAIN_FILE), read_jsonl(DEV_FILE)
+    train_anchors, train_positives = {r["anchor"] for r in train}, {r["positive"] for r in train}
+    train_pairs = {(r["anchor"], r["positive"]) for r in train}
+    return {
+        "dev_records": len(dev),
+        "train_records": len(train),
+        "dev_anchors_in_train": sum(r["anchor"] in train_anchors for r in dev),
+        "dev_positives_in_train": sum(r["positive"] in train_positives for r in dev),
+        "dev_pairs_in_train": sum((r["anchor"], r["positive"]) in train_pairs for r in dev),
+    }
 
 
 def dev_evaluator(num_queries):
@@ -95,7 +129,20 @@ def score(model_path, evaluator, device):
     return {"mrr@10": metrics["dev_cosine_mrr@10"], "ndcg@10": metrics["dev_cosine_ndcg@10"]}
 
 
-def train(batch_size, args, run_dir):
+def planned_runs(args):
+    """Every (comparison, batch size, examples, extra flags) point; each runs once per seed. The largest batch
+    in one epoch is shared by the three comparisons, so it runs once."""
+    largest = max(args.batch_sizes)
+    smaller = sorted(batch for batch in args.batch_sizes if batch != largest)
+    steps = args.train_examples // largest
+    points = [("equal epochs", batch, args.train_examples, "") for batch in smaller]
+    points.append(("shared", largest, args.train_examples, ""))
+    points += [("equal steps", batch, batch * steps, "") for batch in smaller]
+    points.append(("masks", largest, args.train_examples, args.mask_flags))
+    return points
+
+
+def train(batch_size, examples, extra_flags, seed, args, run_dir):
     """One train.py run; its own dev evaluation is switched off (this script scores every run alike)."""
     command = [
         sys.executable,
@@ -106,14 +153,16 @@ def train(batch_size, args, run_dir):
         "train.py",
         f"--batch_size={batch_size}",
         f"--chunk_size={min(args.chunk_size, batch_size)}",
-        f"--epochs={args.epochs}",
+        "--epochs=1",
         f"--lr={learning_rate(batch_size, args):.3g}",
-        f"--max_train_examples={args.train_examples}",
-        f"--seed={args.seed}",
+        f"--max_train_examples={examples}",
+        f"--seed={seed}",
         "--dev_data=",
-        "--save_steps=1000000",
+        "--save_steps=0",
         "--wandb_mode=disabled",
         f"--output_dir={run_dir}",
+        "--overwrite",
+        *shlex.split(extra_flags),
     ]
     started = time.perf_counter()
     done = subprocess.run(command, cwd=harness.ROOT, capture_output=True, text=True)
@@ -127,72 +176,144 @@ def train(batch_size, args, run_dir):
 def measure(args):
     device = "cuda" if args.device.startswith("cuda") else "cpu"
     evaluator = dev_evaluator(args.dev_queries)
-    runs = [
-        {"batch_size": None, "label": "before fine-tuning"} | score(harness.model_path(), evaluator, device)
+    before = score(harness.model_path(), evaluator, device)
+    print(f"before fine-tuning: {before}", flush=True)
+    runs = []
+    for seed in args.seeds:
+        for comparison, batch_size, examples, flags in planned_runs(args):
+            run_dir = Path(args.out_dir) / "tmp" / f"quality_{args.preset}" / f"run_{len(runs)}"
+            seconds, steps = train(batch_size, examples, flags, seed, args, run_dir)
+            run = {
+                "comparison": comparison,
+                "batch_size": batch_size,
+                "examples": examples,
+                "flags": flags,
+                "seed": seed,
+                "lr": learning_rate(batch_size, args),
+                "optimizer_steps": steps,
+                "train_seconds": seconds,
+            } | score(run_dir / "final", evaluator, device)
+            shutil.rmtree(run_dir)
+            runs.append(run)
+            print(run, flush=True)
+    return {"before": before, "overlap": dev_train_overlap(), "runs": runs}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# From the runs to the verdicts
+# ---------------------------------------------------------------------------------------------------------
+
+
+def series(runs, comparison):
+    """[(label, batch size, the runs of every seed)] of one comparison, in batch order. The shared run (the
+    largest batch, one epoch, no masks) is a point of every comparison."""
+    points = {}
+    for run in runs:
+        if run["comparison"] not in (comparison, "shared"):
+            continue
+        unmasked_reference = comparison == "masks" and run["comparison"] == "shared"
+        label = f"batch {run['batch_size']}" + (", no masks" if unmasked_reference else "")
+        points.setdefault((run["batch_size"], not unmasked_reference, label), []).append(run)
+    return [(label, batch, points[key]) for key in sorted(points) for batch, _, label in [key]]
+
+
+def mean_and_spread(values):
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else float("nan")
+
+
+def verdict(first, second):
+    """How the mean MRR@10 of `second` compares with that of `first`: the difference, its standard error over
+    seeds, and the word for it."""
+    a, b = [r["mrr@10"] for r in first], [r["mrr@10"] for r in second]
+    difference = statistics.fmean(b) - statistics.fmean(a)
+    if min(len(a), len(b)) < 2:
+        return difference, float("nan"), "one seed: no verdict"
+    error = math.sqrt(statistics.variance(a) / len(a) + statistics.variance(b) / len(b))
+    if abs(difference) <= SIGNIFICANT * error:
+        return difference, error, "no difference beyond the seed spread"
+    return difference, error, "better" if difference > 0 else "worse"
+
+
+def verdicts(results, args):
+    """(question, difference, standard error, word) of each comparison, computed from the runs: the largest
+    batch against the smallest, and the masked run against the unmasked one."""
+    rows = []
+    for comparison in ("equal epochs", "equal steps", "masks"):
+        points = series(results["runs"], comparison)
+        (first, first_batch, first_runs), (last, _, last_runs) = points[0], points[-1]
+        question = f"{comparison}: {last} against {first}"
+        if comparison == "masks":
+            question = f"masks ({args.mask_flags}) at batch {first_batch}: on against off"
+        rows.append((question, *verdict(first_runs, last_runs)))
+    return rows
+
+
+def table(results, args):
+    overlap = results["overlap"]
+    before = results["before"]["mrr@10"]
+    sections = [
+        f"Training: data/wordnet_train.jsonl.gz, {args.train_examples} examples in an equal-epochs run (one "
+        f"epoch), chunk {args.chunk_size}, lr = {args.reference_lr:g} x sqrt(batch / "
+        f"{args.reference_batch}), seeds {', '.join(map(str, args.seeds))}. Dev: {args.dev_queries} "
+        f"definitions retrieving their words among all dev words. MRR@10 before training: {before:.4f}.",
+        f"Dev and train: of the {overlap['dev_records']} dev records, {overlap['dev_pairs_in_train']} "
+        f"appear as a (definition, words) pair in the {overlap['train_records']} training records, "
+        f"{overlap['dev_anchors_in_train']} dev definitions appear as training definitions and "
+        f"{overlap['dev_positives_in_train']} dev words as training words (WordNet words have several "
+        "senses).",
     ]
-    print(f"before fine-tuning: {runs[0]}", flush=True)
-    for batch_size in args.batch_sizes:
-        run_dir = Path(args.out_dir) / "tmp" / f"quality_{args.preset}" / f"batch_{batch_size}"
-        seconds, steps = train(batch_size, args, run_dir)
-        run = {
-            "batch_size": batch_size,
-            "label": f"batch {batch_size}",
-            "lr": learning_rate(batch_size, args),
-            "optimizer_steps": steps,
-            "train_seconds": seconds,
-        } | score(run_dir / "final", evaluator, device)
-        shutil.rmtree(run_dir)
-        runs.append(run)
-        print(run, flush=True)
-    return runs
-
-
-def table(runs, args):
-    examples = "all" if not args.train_examples else str(args.train_examples)
+    for comparison in ("equal epochs", "equal steps", "masks"):
+        rows = []
+        for label, _, runs in series(results["runs"], comparison):
+            mean, spread = mean_and_spread([r["mrr@10"] for r in runs])
+            rows.append(
+                [
+                    label,
+                    f"{runs[0]['lr']:.2g}",
+                    runs[0]["optimizer_steps"] or "-",
+                    runs[0]["examples"],
+                    f"{statistics.fmean(r['train_seconds'] for r in runs) / 60:.1f}",
+                    f"{mean:.4f} ± {spread:.4f}",
+                    ", ".join(f"{r['mrr@10']:.4f}" for r in runs),
+                ]
+            )
+        header = ["run", "lr", "steps", "examples", "min/run", "dev MRR@10 (mean ± sd)", "per seed"]
+        sections.append(f"**{comparison.capitalize()}**\n\n" + harness.markdown_table(header, rows))
     rows = [
-        [
-            run["label"],
-            f"{run['lr']:.2g}" if run["batch_size"] else "-",
-            run.get("optimizer_steps") or "-",
-            f"{run['train_seconds'] / 60:.1f}" if run["batch_size"] else "-",
-            f"{run['mrr@10']:.4f}",
-            f"{run['ndcg@10']:.4f}",
-        ]
-        for run in runs
+        [question, f"{difference:+.4f}", f"{error:.4f}", word]
+        for question, difference, error, word in verdicts(results, args)
     ]
-    return "\n\n".join(
-        [
-            f"Training: {examples} examples of data/wordnet_train.jsonl.gz (seed {args.seed}, one run per "
-            "batch size), "
-            f"{args.epochs} epoch(s), chunk {args.chunk_size}, lr = {args.reference_lr:g} x sqrt(batch / "
-            f"{args.reference_batch}). Dev: {args.dev_queries} definitions, each retrieving its words among "
-            "all dev words.",
-            harness.markdown_table(
-                ["model", "lr", "optimizer steps", "training (min)", "dev MRR@10", "dev NDCG@10"], rows
-            ),
-        ]
+    sections.append(
+        f"**Verdicts** (better or worse where the difference exceeds {SIGNIFICANT:g} standard errors)\n\n"
+        + harness.markdown_table(["comparison", "MRR@10 difference", "standard error", "verdict"], rows)
     )
+    return "\n\n".join(sections)
 
 
-def plot(runs, args, path):
+def plot(results, args, path):
     figure, axes = plt.subplots(figsize=(6, 4))
-    trained = [run for run in runs if run["batch_size"]]
-    axes.plot(
-        [r["batch_size"] for r in trained], [r["mrr@10"] for r in trained], marker="o", label="fine-tuned"
-    )
-    axes.axhline(runs[0]["mrr@10"], color="gray", linestyle="--", label="before fine-tuning")
+    for comparison, marker in (("equal epochs", "o"), ("equal steps", "s"), ("masks", "*")):
+        points = series(results["runs"], comparison)
+        if comparison == "masks":
+            points = points[-1:]  # the masked run; the unmasked one is on both lines already
+        spread = [mean_and_spread([run["mrr@10"] for run in runs]) for _, _, runs in points]
+        axes.errorbar(
+            [batch for _, batch, _ in points],
+            [mean for mean, _ in spread],
+            yerr=[sd for _, sd in spread],
+            marker=marker,
+            capsize=3,
+            label="with masks" if comparison == "masks" else comparison,
+        )
+    axes.axhline(results["before"]["mrr@10"], color="gray", linestyle="--", label="before fine-tuning")
     harness.log_axes(
-        axes,
-        "dev MRR@10",
-        "Batch size and retrieval quality (equal epochs)",
-        xlabel="contrastive batch size",
-        log_y=False,
+        axes, "dev MRR@10", "Batch size and retrieval quality", xlabel="contrastive batch size", log_y=False
     )
     harness.save_figure(figure, path)
 
 
 def main(argv=None):
-    image = "dev MRR@10 against the batch size"
+    image = "dev MRR@10 against the batch size, mean and spread over seeds"
     harness.run_benchmark("quality", parser, PRESETS, measure, table, plot, image, argv)
 
 

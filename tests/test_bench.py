@@ -3,6 +3,7 @@ results whose numbers show, in small, what its full run is there to show, and be
 assembles them into a RESULTS.md."""
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -120,18 +121,43 @@ def test_memory_cap_stops_plain_where_ours_still_fits(smoke_run):
     assert "largest batch that fit" in markdown
 
 
-def test_quality_fine_tunes_through_train_py_and_scores_the_dev_split(smoke_run, results_dir):
+def test_quality_runs_every_comparison_through_train_py_and_scores_the_dev_split(smoke_run, results_dir):
     saved, markdown = smoke_run("quality")
-    before, *trained = saved["results"]
-    assert before["batch_size"] is None
-    assert [run["batch_size"] for run in trained] == saved["settings"]["batch_sizes"]
-    for run in [before, *trained]:
-        assert 0 < run["mrr@10"] <= 1 and 0 < run["ndcg@10"] <= 1
-    for run in trained:
-        assert run["train_seconds"] > 0 and run["optimizer_steps"] >= 1
-        # scored from train.py's saved model, which is deleted once scored
-        assert not (results_dir / "tmp" / "quality_smoke" / f"batch_{run['batch_size']}").exists()
-    assert "dev MRR@10" in markdown
+    settings, results = saved["settings"], saved["results"]
+    assert 0 < results["before"]["mrr@10"] <= 1
+    small, large = settings["batch_sizes"]
+    steps_of_large_epoch = settings["train_examples"] // large
+    runs = {(run["comparison"], run["batch_size"]): run for run in results["runs"]}
+    assert len(runs) == len(results["runs"]) == 4 * len(settings["seeds"])
+    # equal epochs: the same examples; equal steps: the steps of the largest batch's epoch
+    assert runs["equal epochs", small]["examples"] == runs["shared", large]["examples"]
+    assert runs["equal steps", small]["optimizer_steps"] == runs["shared", large]["optimizer_steps"]
+    assert runs["shared", large]["optimizer_steps"] == steps_of_large_epoch
+    assert runs["equal epochs", small]["optimizer_steps"] == settings["train_examples"] // small
+    assert runs["masks", large]["flags"] == settings["mask_flags"] and not runs["shared", large]["flags"]
+    for run in results["runs"]:
+        assert 0 < run["mrr@10"] <= 1 and run["train_seconds"] > 0
+    # scored from train.py's saved models, which are deleted once scored
+    assert not any((results_dir / "tmp" / "quality_smoke").iterdir())
+    assert "**Verdicts**" in markdown and markdown.count("one seed: no verdict") == 3
+    overlap = results["overlap"]
+    assert 0 <= overlap["dev_pairs_in_train"] <= overlap["dev_anchors_in_train"] <= overlap["dev_records"]
+
+
+def test_quality_verdicts_weigh_the_difference_against_the_seed_spread():
+    import quality
+
+    def runs(*scores):
+        return [{"mrr@10": score} for score in scores]
+
+    # standard error of the difference: sqrt(0.02**2 / 3 + 0.02**2 / 3) = 0.01633
+    difference, error, word = quality.verdict(runs(0.50, 0.52, 0.54), runs(0.55, 0.57, 0.59))
+    assert math.isclose(difference, 0.05) and math.isclose(error, 0.02 * math.sqrt(2 / 3))
+    assert word == "better"  # 0.05 > 2 x 0.0163
+    assert quality.verdict(runs(0.50, 0.52, 0.54), runs(0.52, 0.54, 0.56))[2] == (
+        "no difference beyond the seed spread"  # 0.02 < 2 x 0.0163
+    )
+    assert quality.verdict(runs(0.55, 0.57, 0.59), runs(0.50, 0.52, 0.54))[2] == "worse"
 
 
 def test_scale_cut_model_step_and_loss_stage_under_a_cap(smoke_run):
