@@ -74,7 +74,8 @@ def test_a_signal_saves_a_checkpoint_and_the_run_resumes_bit_for_bit(
     signal_name, tmp_path, data, model_with_dropout, uninterrupted
 ):
     """SIGTERM (preemption) or Ctrl-C during step 3, and again while its checkpoint is written: the run saves
-    step_3 whole, says how to resume and exits 0; resumed, it reaches the uninterrupted run's weights."""
+    step_3 whole, says how to resume and exits 0; resumed, it reaches the uninterrupted run's weights. One
+    handler catches both signals, so only the SIGTERM run is resumed (a launch the suite spares)."""
     args = ("--model", model_with_dropout, "--data", data[0], "--max_steps", 6, "--save_steps", 2)
     stopped = launch_with_faults(tmp_path, *args, faults={"GRADCACHE_FAULT_SIGNAL": f"{signal_name}:3"})
     checkpoints = tmp_path / "checkpoints"
@@ -83,6 +84,8 @@ def test_a_signal_saves_a_checkpoint_and_the_run_resumes_bit_for_bit(
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_2", "step_3"]
     assert (checkpoints / "step_3" / "trainer_state.json").is_file()
     assert not (tmp_path / "final").exists()
+    if signal_name == "SIGINT":
+        return
 
     resumed = launch_with_faults(tmp_path, *args, "--resume_from_checkpoint", "latest")
     assert f"resumed from {checkpoints / 'step_3'}:" in resumed.stdout
