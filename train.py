@@ -38,6 +38,7 @@ save_checkpoint, set_peak_learning_rate, step_with_back_off.
 """
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -144,6 +145,7 @@ add(
     help="held-out pairs, same forms ('' for none); default: the bundled dev split",
 )
 add("--columns", default="", help="fields to roles: anchor=q,positive=a,negatives=n1+n2 (default: negative*)")
+add("--dev_columns", default=None, help="the same for --dev_data; default: --columns")
 add(
     "--skip_bad_records",
     action="store_true",
@@ -272,7 +274,10 @@ def parse_args(argv=None):
             "batches of an accumulation window. Raise --batch_size instead of --gradient_accumulation_steps: "
             "with Gradient Cache a bigger batch costs no memory."
         )
-    role_fields(args.columns, available=())  # --columns is read here, to fail before anything is loaded
+    if args.dev_columns is None:
+        args.dev_columns = args.columns
+    for columns in (args.columns, args.dev_columns):  # read here, to fail before anything is loaded
+        role_fields(columns, available=())
     args.matryoshka_dims, args.matryoshka_weights = parse_matryoshka(
         args.matryoshka_dims, args.matryoshka_weights
     )
@@ -328,9 +333,9 @@ def parse_matryoshka(dims_spec, weights_spec):
 def load_data(args, accelerator):
     """(training pairs, dev pairs or None, bad records skipped), as main trains and evaluates on them."""
     with accelerator.main_process_first():  # the first process fills datasets' cache, the others read it
-        checks = (args.columns, args.skip_bad_records, args.max_text_chars)
-        train_data, skipped_records = load_pairs(args.data, *checks)
-        dev_data = load_pairs(args.dev_data, *checks)[0] if args.dev_data else None
+        checks = (args.skip_bad_records, args.max_text_chars, accelerator.print)
+        train_data, skipped_records = load_pairs(args.data, args.columns, *checks)
+        dev_data = load_pairs(args.dev_data, args.dev_columns, *checks)[0] if args.dev_data else None
     if 0 < args.max_train_examples < len(train_data):
         train_data = train_data.shuffle(seed=args.seed).select(range(args.max_train_examples))
     if negatives_per_example(args, accelerator.num_processes, train_data) == 0:  # the loss would be 0
@@ -348,21 +353,31 @@ def negatives_per_example(args, processes, train_data):
     return contrasted * (len(train_data.column_names) - 1) - 1
 
 
-def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000):
+def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000, say=print):
     """(datasets.Dataset, number of records skipped) from `source`: a .jsonl, .json (JSON lines or one array
     of records), .csv or .parquet file, optionally .gz, or a hub data set name[:split]. `columns` maps fields
-    to roles as --columns does.
+    to roles as --columns does; `say` prints the mapping (main: on the main process only).
 
-    The data set's columns: anchor, positive, then negative_1, negative_2... A list of positives stays a
-    list (PositiveDraws picks one per epoch); the negatives fields, texts or lists, line up as negative_1,
-    negative_2... Every record is checked first: a bad one stops the run, naming its place and problem, or
-    with `skip_bad_records` is left out and counted.
+    The fields are those of all the records, not of the first: every field is mapped to a role or printed as
+    unused, and a record without a mapped field that others have is a bad record. The data set's columns:
+    anchor, positive, then negative_1, negative_2... A list of positives stays a list (PositiveDraws picks
+    one per epoch); the negatives fields, texts or lists, line up as negative_1, negative_2... Every record is
+    checked first: a bad one stops the run, naming its place and problem, or with `skip_bad_records` is left
+    out and counted.
     """
-    fields, examples, skipped = None, [], []
-    for place, record in read_records(source, columns):
+    records = list(read_records(source))
+    present = collections.Counter(
+        field for _, record in records if isinstance(record, dict) for field in record
+    )
+    fields = role_fields(columns, available=present)
+    absent = [f"{field!r} ({role})" for role, field in fields if field not in present]
+    if absent and present:  # with no field at all, no record could be read: the first is named below
+        fail(f"{source} has no field {', '.join(absent)} in any record, only {sorted(present)}. {MAP_YOURS}")
+    say(f"train.py: {source}: {field_roles(fields, present)}")
+    examples, skipped = [], []
+    for place, record in records:
         if isinstance(record, dict):  # else it says, in words, what is wrong with the record
-            fields = fields or role_fields(columns, available=record)  # negatives: the first record's
-            record = read_example(record, fields, max_text_chars)
+            record = read_example(record, fields, max_text_chars, present)
         if isinstance(record, dict):
             examples.append(record)
         elif skip_bad_records:
@@ -370,7 +385,7 @@ def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000
         else:
             fail(f"{source}, {place} {record}. Fix or delete it, or pass --skip_bad_records to leave it out.")
     if skipped:
-        print(f"train.py: skipped {len(skipped)} bad records; the first: {skipped[0]}")
+        say(f"train.py: skipped {len(skipped)} bad records; the first: {skipped[0]}")
     if not examples:
         fail(f"{source} holds no usable records." + (f" The first skipped: {skipped[0]}" if skipped else ""))
     table = {}
@@ -381,7 +396,7 @@ def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000
     negatives = [example["negative"] for example in examples]
     count, most = min(map(len, negatives)), max(map(len, negatives))
     if count < most:
-        print(
+        say(
             f"train.py: {source}: records hold {count} to {most} negatives; each uses its first {count} "
             "(every row of a batch needs as many). Drop the short records to keep more."
         )
@@ -390,11 +405,13 @@ def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000
 
 
 # The fields each role is read from when --columns does not name them: sentence-transformers' names, then
-# FlagEmbedding's (query, pos, neg). Negatives by default: every field named negative, negatives, negative_1,
-# negative2, neg..., never negative_score or other metadata. A role added here is read, checked and kept as
-# a column; the step hands every column to the loss in this order, the negatives last.
+# FlagEmbedding's (query, pos, neg). Negatives by default: every field named negative(s), neg(s) or
+# hard_negative(s), numbered or not (negative_1, neg2, hard_negative_3: sentence-transformers' n-tuples,
+# MS MARCO triplets, FlagEmbedding), or negative_text, negative_passage, negative_document; never
+# negative_score, neg_ids or other metadata. A role added here is read, checked and kept as a column; the
+# step hands every column to the loss in this order, the negatives last.
 DEFAULT_FIELDS = {"anchor": ("anchor", "query"), "positive": ("positive", "pos")}
-NEGATIVE_FIELD = re.compile(r"(negative|neg)s?(_?\d+)?")
+NEGATIVE_FIELD = re.compile(r"(hard_?)?(negative|neg)(s|_(text|passage|document))?(_?\d+)?", re.IGNORECASE)
 MAP_YOURS = "Map yours with --columns, e.g. --columns anchor=question,positive=answer,negatives=neg1+neg2"
 
 
@@ -418,17 +435,36 @@ def role_fields(columns, available):
     if "negatives" in named:
         negatives = [field for field in named["negatives"].split("+") if field]
     else:
-        negatives = sorted(field for field in available if NEGATIVE_FIELD.fullmatch(field))
+        negatives = sorted(
+            (field for field in available if NEGATIVE_FIELD.fullmatch(field)), key=number_order
+        )
     return pairs + [("negative", field) for field in negatives]
 
 
-def read_example(record, fields, max_chars):
+def number_order(name):
+    """negative_2 before negative_10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def field_roles(fields, present):
+    """What each field is for: 'anchor <- query, positive <- pos, negatives <- neg; unused: id, score'."""
+    negatives = " + ".join(field for role, field in fields if role == "negative") or "none"
+    roles = ", ".join(f"{role} <- {field}" for role, field in fields if role != "negative")
+    unused = ", ".join(field for field in present if field not in {field for _, field in fields}) or "none"
+    return f"{roles}, negatives <- {negatives}; unused: {unused}"
+
+
+def read_example(record, fields, max_chars, present):
     """{role: [texts]} from one record, or what is wrong with it, in words: every mapped field must hold a
-    real text or, for a positive or negatives field, a non-empty list of texts."""
+    real text or, for a positive or negatives field, a non-empty list of texts. `present` counts the records
+    that have each field."""
     example = {role: [] for role in (*DEFAULT_FIELDS, "negative")}
     for role, field in fields:
         if field not in record:
-            return f"has no field {field!r} ({role}), only {sorted(record)}. {MAP_YOURS}"
+            return (
+                f"has no field {field!r} ({role}) that {present[field]} other records have (it has "
+                f"{sorted(record)}): every record needs each mapped field. {MAP_YOURS} (negatives= for none)"
+            )
         value = record[field]
         listed = isinstance(value, list) and role != "anchor"
         if listed and not value:
@@ -445,9 +481,9 @@ def read_example(record, fields, max_chars):
     return example
 
 
-def read_records(source, columns):
+def read_records(source):
     """(place, record or what is wrong with it) for each record of `source`: JSON is read here, line by line
-    or as one array of records; CSV, Parquet and hub data sets by datasets, their fields checked once."""
+    or as one array of records; CSV, Parquet and hub data sets by datasets."""
     path = Path(source)
     suffix = next((s for s in reversed(path.suffixes) if s != ".gz"), "")
     local = suffix in (".jsonl", ".json", ".csv", ".parquet")
@@ -471,12 +507,6 @@ def read_records(source, columns):
         fail(
             f"{source} could not be read as {kind} ({type(err).__name__}: {err}). Check or convert the file."
         )
-    available = dataset.column_names
-    missing = [
-        f"{field!r} ({role})" for role, field in role_fields(columns, available) if field not in available
-    ]
-    if missing:
-        fail(f"{source} has no field {', '.join(missing)}; its fields are {sorted(available)}. {MAP_YOURS}")
     return ((f"record {i}", record) for i, record in enumerate(dataset, 1))
 
 
