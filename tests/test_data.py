@@ -187,3 +187,25 @@ def test_dev_pairs_map_their_own_fields(tmp_path, data, monkeypatch, capsys):
     _, loaded, _ = data_as_loaded(monkeypatch, *run, *dev_columns, "--output_dir", tmp_path / "r2")
     assert loaded["anchor"] == ["w0", "w1", "w2"]
     assert f"{dev}: anchor <- q, positive <- a, negatives <- none; unused: none" in capsys.readouterr().out
+
+
+def test_a_plain_transformers_model_needs_a_pooling(
+    tmp_path, data, model_without_dropout, monkeypatch, capsys
+):
+    """A folder save_pretrained wrote (no modules.json) was pooled by mean, silently."""
+    plain = model_without_dropout.parent / "bert"
+    run = ("--data", data[0], "--output_dir", tmp_path / "run")
+    fails_with(
+        capsys,
+        lambda: run_main(monkeypatch, *run, "--model", plain),
+        "without sentence-transformers' modules.json",
+        "add --pooling mean, cls or lasttoken",
+    )
+    fails_with(
+        capsys,
+        lambda: run_main(monkeypatch, *run, "--model", model_without_dropout, "--pooling", "cls"),
+        "pools as its modules.json says. Drop --pooling.",
+    )
+    model = train.load_model(str(plain), "cpu", "cls")  # as main loads it with --pooling cls
+    assert [module.pooling_mode for module in model if hasattr(module, "pooling_mode")] == ["cls"]
+    assert f"--model {plain}: cls pooling (--pooling)" in capsys.readouterr().out
