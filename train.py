@@ -367,10 +367,12 @@ def load_data(args, accelerator):
         checks = (args.skip_bad_records, args.max_text_chars, accelerator.print)
         train_data, skipped_records = load_pairs(args.data, args.columns, *checks)
         dev_data = None
-        if args.dev_data and (beir := locate_data(args.dev_data, "--dev_data"))[0] == "beir":
-            dev_data = load_beir(*beir[1:], say=accelerator.print)
-        elif args.dev_data:
-            dev_data = load_pairs(args.dev_data, args.dev_columns, *checks, flag="--dev_data")[0]
+        if args.dev_data:
+            kind, where, split = locate_data(args.dev_data, "--dev_data")
+            if kind == "beir":  # its own fields: --dev_columns is for pairs
+                dev_data = load_beir(where, split, accelerator.print)
+            else:
+                dev_data = load_pairs(args.dev_data, args.dev_columns, *checks, flag="--dev_data")[0]
     if 0 < args.max_train_examples < len(train_data):
         train_data = train_data.shuffle(seed=args.seed).select(range(args.max_train_examples))
     if negatives_per_example(args, accelerator.num_processes, train_data) == 0:  # the loss would be 0
@@ -529,12 +531,10 @@ def read_records(source, flag):
     try:
         if kind == "saved":
             dataset = datasets.load_from_disk(str(where))
-            if isinstance(dataset, datasets.DatasetDict):
-                dataset = dataset[one_split(dataset, split, source, flag)]
         else:
             dataset = datasets.load_dataset(where, split=split)
-            if isinstance(dataset, datasets.DatasetDict):
-                dataset = dataset[one_split(dataset, split, source, flag)]
+        if isinstance(dataset, datasets.DatasetDict):
+            dataset = dataset[one_split(dataset, split, source, flag)]
     except Exception as err:
         what = (
             "a save_to_disk folder" if kind == "saved" else "a hub data set (needs network or a cached copy)"
@@ -594,10 +594,12 @@ def locate_data(source, flag):
         fail(
             f"{flag}: no such file or folder: {source}. Check the path (a relative one starts at the launch)."
         )
-    if len(formats := {data_format(file) for file in files}) != 1 or None in formats:
+    formats = {data_format(file) for file in files}
+    if len(formats) > 1 or None in formats:
+        kinds = ", ".join(sorted({"".join(file.suffixes) or file.name for file in files}))
         fail(
-            f"{flag} {source}: {', '.join(sorted({file.name for file in files})[:5])}... are not all .jsonl, "
-            ".json, .csv, .tsv or all .parquet files (optionally .gz): give the files of one format."
+            f"{flag} {source} holds {kinds}: give files of one format, .jsonl, .json, .csv, .tsv or .parquet "
+            "(optionally .gz)."
         )
     return "files", files, None
 

@@ -66,7 +66,7 @@ def data_as_loaded(monkeypatch, *argv):
 ROWS = [{"anchor": f"a{i}", "positive": f'p"{i}', "negative": f"n{i}"} for i in range(4)]
 
 
-def test_every_data_form_reads_the_same_rows(tmp_path):
+def test_every_data_form_reads_the_same_rows(tmp_path, capsys):
     """save_to_disk folders, a folder of parquet shards, a glob of JSON lines shards, a TSV file (quotes are
     text: TSV is never quoted)."""
     import datasets
@@ -89,6 +89,11 @@ def test_every_data_form_reads_the_same_rows(tmp_path):
         assert loaded.to_list() == expected, source
     test_split, _ = train.load_pairs(f"{tmp_path / 'splits'}:test")
     assert test_split.to_list() == expected[:1]
+    fails_with(
+        capsys,
+        lambda: train.load_pairs(str(tmp_path / "shards/*")),
+        "holds .jsonl, .md: give files of one format",
+    )
 
 
 def test_a_path_that_names_nothing_stops_main_at_once(tmp_path, data, monkeypatch, capsys):
