@@ -32,9 +32,9 @@ refused unless resuming it or --overwrite.
 
 The file reads top to bottom: the flags, the data, the model, the step, then main (its setup, then the
 loop with the optimizer step), and two appendices: checkpoints, and the out-of-memory back-off. Imported
-by tests/ and bench/, so kept as they are: parse_args, main, load_pairs, make_loader, build_evaluator,
-load_model, prepare_model, role_prompts, tokenize, Towers, is_router, loss_function, gradient_cache_step,
-save_checkpoint, set_peak_learning_rate, step_with_back_off.
+by tests/ and bench/, so kept as they are: parse_args, main, load_data, load_pairs, hub_out_of_reach,
+make_loader, build_evaluator, load_model, prepare_model, role_prompts, tokenize, Towers, is_router,
+loss_function, gradient_cache_step, save_checkpoint, set_peak_learning_rate, step_with_back_off.
 """
 
 import argparse
