@@ -888,17 +888,17 @@ def load_model(name, device, pooling=None, say=print):
     source = str(folder) if folder.is_dir() else name
     if folder.is_dir() and not any((folder / file).is_file() for file in ("modules.json", "config.json")):
         fail(f"--model {name}: not a model folder (no modules.json, no config.json).")
-    # sentence-transformers' own lookup of modules.json: in the folder, the local cache or on the hub
-    plain = load_file_path(source, "modules.json", local_files_only=local_only) is None
-    if plain and not pooling:
-        fail(
-            f"--model {name} is a transformers model without sentence-transformers' modules.json, so nothing "
-            "says how to pool its tokens into one embedding: add --pooling mean, cls or lasttoken, as the "
-            "model was trained (lasttoken for decoder embedders)."
-        )
-    if pooling and not plain:
-        fail(f"--pooling {pooling}: --model {name} pools as its modules.json says. Drop --pooling.")
-    try:
+    try:  # a gated or missing hub repository too
+        # sentence-transformers' own lookup of modules.json: in the folder, the local cache or on the hub
+        plain = load_file_path(source, "modules.json", local_files_only=local_only) is None
+        if plain and not pooling:
+            fail(
+                f"--model {name} is a transformers model without sentence-transformers' modules.json, so "
+                "nothing says how to pool its tokens into one embedding: add --pooling mean, cls or "
+                "lasttoken, as the model was trained (lasttoken for decoder embedders)."
+            )
+        if pooling and not plain:
+            fail(f"--pooling {pooling}: --model {name} pools as its modules.json says. Drop --pooling.")
         model = SentenceTransformer(source, device=device, local_files_only=local_only)
     except OSError as err:
         fail(f"--model {name} could not be loaded ({err}).")
