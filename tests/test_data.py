@@ -3,7 +3,6 @@ name nothing. In-process and cheap: load_pairs, or main stopped before training.
 
 import functools
 import json
-import time
 
 import huggingface_hub
 import pytest
@@ -63,7 +62,7 @@ def data_as_loaded(monkeypatch, *argv):
     return loaded[0]
 
 
-ROWS = [{"anchor": f"a{i}", "positive": f'p"{i}', "negative": f"n{i}"} for i in range(4)]
+TRIPLES = [{"anchor": f"a{i}", "positive": f'p"{i}', "negative": f"n{i}"} for i in range(4)]
 
 
 def test_every_data_form_reads_the_same_rows(tmp_path, capsys):
@@ -71,7 +70,7 @@ def test_every_data_form_reads_the_same_rows(tmp_path, capsys):
     text: TSV is never quoted)."""
     import datasets
 
-    table = datasets.Dataset.from_list(ROWS)
+    table = datasets.Dataset.from_list(TRIPLES)
     table.save_to_disk(str(tmp_path / "saved"))
     datasets.DatasetDict({"train": table, "test": table.select([0])}).save_to_disk(str(tmp_path / "splits"))
     (tmp_path / "shards" / "data").mkdir(parents=True)
@@ -79,11 +78,13 @@ def test_every_data_form_reads_the_same_rows(tmp_path, capsys):
         table.select(range(2 * i, 2 * i + 2)).to_parquet(
             tmp_path / "shards" / "data" / f"train-0000{i}-of-00002.parquet"
         )
-        write_rows(tmp_path / "shards" / f"part{i}.jsonl", ROWS[2 * i : 2 * i + 2])
+        write_rows(tmp_path / "shards" / f"part{i}.jsonl", TRIPLES[2 * i : 2 * i + 2])
     (tmp_path / "shards" / "README.md").write_text("not data")
-    lines = ["anchor\tpositive\tnegative"] + ["\t".join(row.values()) for row in ROWS]
+    lines = ["anchor\tpositive\tnegative"] + ["\t".join(row.values()) for row in TRIPLES]
     (tmp_path / "pairs.tsv").write_text("\n".join(lines) + "\n")
-    expected = [{"anchor": r["anchor"], "positive": r["positive"], "negative_1": r["negative"]} for r in ROWS]
+    expected = [
+        {"anchor": r["anchor"], "positive": r["positive"], "negative_1": r["negative"]} for r in TRIPLES
+    ]
     for source in ("saved", "splits", "shards/data", "shards/*.jsonl", "pairs.tsv"):
         loaded, _ = train.load_pairs(str(tmp_path / source))
         assert loaded.to_list() == expected, source
@@ -107,10 +108,8 @@ def test_a_path_that_names_nothing_stops_main_at_once(tmp_path, data, monkeypatc
         ("--model", "./models/MiniLM", "--model: no such file or folder: ./models/MiniLM"),
         ("--model", "models/MiniLM", "nor a hub model of that name in the local cache"),
     ):
-        started = time.perf_counter()
         message = fails_with(capsys, functools.partial(run_main, monkeypatch, *run, flag, value), expected)
         assert "\n" not in message.strip()
-        print(f"{flag} {value}: stopped in {time.perf_counter() - started:.2f} s")
     assert "(HF_HUB_OFFLINE is set)" in message
     # Without HF_HUB_OFFLINE and without network: found out by one connection, not by retries.
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
