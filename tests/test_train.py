@@ -520,18 +520,20 @@ def test_the_default_chunk_is_never_larger_than_the_batch(capsys):
 
 def test_an_anchor_without_negatives_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
     pairs = write_rows(tmp_path / "pairs.jsonl", [{"anchor": f"a{i}", "positive": f"p{i}"} for i in range(4)])
-    run = ("--model", tmp_path / "nowhere", "--output_dir", tmp_path / "run", "--batch_size", 1)
+    empty = tmp_path / "empty"  # a folder, but no model: a missing one would stop main before the data
+    empty.mkdir()
+    run = ("--model", empty, "--output_dir", tmp_path / "run", "--batch_size", 1)
     fails_with(
         capsys,
         lambda: run_main(monkeypatch, *run, "--data", pairs),
         "--batch_size 1 on pairs without hard negatives leaves each anchor no negative",
         "Raise --batch_size or add hard negatives.",
     )
-    # One hard negative, or a second pair in the batch, is one negative: on to the model, which is missing.
+    # One hard negative, or a second pair in the batch, is one negative: on to the model, which is none.
     triples = write_rows(tmp_path / "triples.jsonl", [{"anchor": "a", "positive": "p", "negative": "n"}])
-    fails_with(capsys, lambda: run_main(monkeypatch, *run, "--data", triples), "no such directory")
+    fails_with(capsys, lambda: run_main(monkeypatch, *run, "--data", triples), "not a model folder")
     fails_with(
-        capsys, lambda: run_main(monkeypatch, *run, "--data", pairs, "--batch_size", 2), "no such directory"
+        capsys, lambda: run_main(monkeypatch, *run, "--data", pairs, "--batch_size", 2), "not a model folder"
     )
 
 
@@ -636,7 +638,9 @@ def test_csv_and_parquet_load_with_a_column_mapping(tmp_path, capsys):
     fails_with(
         capsys, lambda: train.load_pairs(str(tmp_path / "gap.csv"), columns), "record 2 has field 'n2' empty"
     )
-    fails_with(capsys, lambda: train.load_pairs(str(tmp_path / "missing.csv"), columns), "does not exist")
+    fails_with(
+        capsys, lambda: train.load_pairs(str(tmp_path / "missing.csv"), columns), "no such file or folder"
+    )
 
 
 def test_csv_fields_are_texts_as_written(tmp_path):
@@ -653,7 +657,7 @@ def test_model_and_checkpoint_errors(tmp_path, capsys, monkeypatch):
     """The checkpoint to resume from is found before anything is loaded: main stops there, or (none found) at
     the data file, which does not exist here."""
     fails_with(
-        capsys, lambda: train.load_model(str(tmp_path / "nowhere"), "cpu"), "no such directory", "--model"
+        capsys, lambda: train.load_model(str(tmp_path / "nowhere"), "cpu"), "--model: no such file or folder"
     )
     run = ("--model", "m", "--data", tmp_path / "missing.jsonl", "--output_dir", tmp_path)
     fails_with(
@@ -673,7 +677,7 @@ def test_model_and_checkpoint_errors(tmp_path, capsys, monkeypatch):
         f"{tmp_path / 'checkpoints' / 'step_10'} was written with --seed 7",
     )
     empty = ("--output_dir", tmp_path / "empty", "--resume_from_checkpoint", "latest")
-    with pytest.raises(SystemExit, match="missing.jsonl does not exist"):
+    with pytest.raises(SystemExit, match="--data: no such file or folder: .*missing.jsonl"):
         run_main(monkeypatch, *run, *empty)
     none_found = f"no complete checkpoint in {tmp_path / 'empty' / 'checkpoints'}: starting from scratch"
     assert none_found in capsys.readouterr().out
