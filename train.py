@@ -57,8 +57,23 @@ from pathlib import Path
 
 
 def fail(message):
-    """Stop with a message that says what to do (no traceback)."""
-    raise SystemExit(f"train.py: error: {message}")
+    """Stop with one line that says what to do: no traceback, no usage text, exit status 2. The exception
+    carries the line for a caller that catches it (the tests)."""
+    print_error(message)
+    stop = SystemExit(f"train.py: error: {message}")
+    stop.code = 2  # an int: Python exits with it and prints nothing more
+    raise stop
+
+
+def print_error(message):
+    """The error line, on stderr. Under torchrun (accelerate's multi-process and DeepSpeed launchers) also in
+    the process's error file, which the launcher prints as the root cause at the end of its failure summary:
+    there, rather than above the launcher's own traceback. accelerate's one-process launcher prints a
+    traceback after any non-zero exit, unless launched with --quiet."""
+    line = f"train.py: error: {message}"
+    print(line, file=sys.stderr, flush=True)
+    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
 
 
 def check_versions(minimums, needed_for=""):
@@ -113,7 +128,13 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return action.help if "default" in (action.help or "") else super()._get_help_string(action)
 
 
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # one line: argparse would print the usage of every flag above it
+        fail(message)
+
+
+parser = ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+
 add = parser.add_argument
 # Model
 add(
@@ -1360,8 +1381,8 @@ def smaller_chunk(error, chunking, args, accelerator):
     if not error.agreed and accelerator.num_processes > 1:
         # The other processes wait in a collective this one will never join: end it now, and the launcher
         # (torchrun, DeepSpeed's) stops them. A normal exit could block in the process group's teardown.
-        print(f"train.py: error: {error} Relaunch with --{name} {value // 2}.", file=sys.stderr, flush=True)
-        os._exit(1)
+        print_error(f"{error} Relaunch with --{name} {value // 2}.")
+        os._exit(2)
     if value == 1:
         fail(f"{error} Even one example per chunk does not fit: lower --max_seq_length, or offload (ZeRO-3).")
     if not args.auto_chunk_size:

@@ -187,7 +187,7 @@ def test_every_malformed_record_is_named_or_skipped(tmp_path, capsys, good, kind
 
     with pytest.raises(SystemExit) as stopped:
         train.load_pairs(str(path), max_text_chars=100)
-    message = str(stopped.value.code)
+    message = str(stopped.value)
     assert (
         f"{path}, line {position + 1} " in message and problem in message and "--skip_bad_records" in message
     )

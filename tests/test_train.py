@@ -431,6 +431,10 @@ def test_a_bad_data_file_stops_the_launch_before_training(tmp_path, data, model_
     assert done.returncode != 0
     assert f"{broken}, line 5 is not valid JSON" in done.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+    # One line, then the launcher's own traceback (accelerate's one-process launcher prints it for any
+    # non-zero exit), which names train.py's exit status: 2, a refusal.
+    (line,) = [line for line in done.stderr.splitlines() if "train.py: error:" in line]
+    assert line.startswith("train.py: error:") and "returned non-zero exit status 2." in done.stderr
 
 
 def test_max_grad_norm_0_trains_unclipped_and_logs_the_norm(tmp_path, data, model_without_dropout):
@@ -457,6 +461,8 @@ def test_an_undistributed_multi_process_launch_stops_at_start(tmp_path, data, mo
     assert done.returncode != 0
     assert "launched as 2 processes, but accelerate runs them undistributed" in done.stderr
     assert "ACCELERATE_USE_CPU=true" in done.stderr
+    # torchrun's failure summary, printed last, names the line as the root cause (not "To enable traceback")
+    assert "traceback : train.py: error: launched as 2 processes" in "\n".join(done.stderr.splitlines()[-3:])
     assert not (tmp_path / "final").exists()
 
 
@@ -493,6 +499,11 @@ def test_argument_errors_say_what_to_do(capsys):
         capsys, lambda: train.parse_args(["--save_steps", "-1"]), "--save_steps must be 0 (off) or more"
     )
     assert train.parse_args(["--eval_steps", "0", "--log_steps", "0", "--save_steps", "0"]).save_steps == 0
+    # argparse's own errors too: one line, not the usage of every flag above it; exit status 2
+    with pytest.raises(SystemExit) as stopped:
+        train.parse_args(["--batch_size", "eight"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == "train.py: error: argument --batch_size: invalid int value: 'eight'\n"
 
 
 def test_help_shows_every_default(capsys):
