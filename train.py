@@ -134,7 +134,6 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 parser = ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-
 add = parser.add_argument
 # Model
 add(
@@ -848,8 +847,8 @@ def main(args):
     fp16 = loss_scale(accelerator, engine) is not None  # the loss is scaled: its scaler skips overflows
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     start_tracking(accelerator, args, derived)
-    progress = resume_training(accelerator, *resume, args, scheduler) if resume else Progress()
     total_steps, checkpoints_dir = derived["total_steps"], Path(args.output_dir) / "checkpoints"
+    progress = resume_training(accelerator, *resume, args, scheduler, total_steps) if resume else Progress()
     signals = stop_on_signals()  # preemption: saved at the next optimizer step, then the run stops
 
     # --- The loop: an optimizer step every --gradient_accumulation_steps batches ---
@@ -859,6 +858,7 @@ def main(args):
     engine.train()
     bar = tqdm(total=total_steps, initial=progress.global_step, disable=not accelerator.is_main_process)
     window, grad_norm, bad_window, bad_in_a_row = LogWindow(), None, False, 0
+    last_checkpoint = resume[0] if resume else None  # the one to name when the run stops
     chunking = {"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {"chunk_size": args.chunk_size}
     for batch in batches_from(progress, loader, accelerator, total_steps):
         started = time.perf_counter()
@@ -889,20 +889,25 @@ def main(args):
             optimizer.zero_grad()
             progress.nonfinite_steps += bad_window
             progress.skipped_steps += bad_window or overflow
-            if bad_window or overflow:  # no update, no schedule
+            if bad_window or overflow:  # no update, no schedule, no gradient norm to log
+                grad_norm = None
                 why = "loss or gradient not finite" if bad_window else "fp16 overflow"
                 scale = f"; loss scale now {loss_scale(accelerator, engine)}" if overflow else ""
                 accelerator.print(f"step {progress.global_step + 1}: {why}, update skipped{scale}")
             else:  # an update was applied: what follows the weights moves on
                 scheduler.step()
             bad_in_a_row = bad_in_a_row + 1 if bad_window else 0
-            if bad_in_a_row >= args.max_bad_steps:
-                last_good = latest_checkpoint(checkpoints_dir) or "none: no checkpoint was written yet"
+            if bad_in_a_row >= args.max_bad_steps:  # no checkpoint was saved since the streak began
                 fail(
                     f"{bad_in_a_row} steps in a row (through step {progress.global_step + 1}) had a loss or "
-                    "gradient that is not finite; none of them changed the weights. The last checkpoint is "
-                    f"{last_good}. Resume from it (--output_dir {args.output_dir} --resume_from_checkpoint "
-                    "latest) with a lower --lr, or check the data of these steps."
+                    "gradient that is not finite; none of them changed the weights. "
+                    + (
+                        f"The last checkpoint before them is {last_checkpoint}: resume from it "
+                        f"(--resume_from_checkpoint {last_checkpoint}) with a lower --lr"
+                        if last_checkpoint
+                        else "No checkpoint was saved before them: start again with a lower --lr"
+                    )
+                    + ", or check the data of these steps."
                 )
             bad_window = False
         progress.batches_done += 1
@@ -922,15 +927,17 @@ def main(args):
                 grad_norm=float("nan") if grad_norm is None else float(grad_norm), **chunking,
             )  # fmt: skip
             window = LogWindow()
-        if not last and stop_agreed(accelerator, signals):
-            state = dataclasses.asdict(progress) | {"processes": derived["processes"], "args": vars(args)}
-            save_checkpoint(accelerator, checkpoints_dir, state, args.save_total_limit)
-            stop_preempted(accelerator, signals, checkpoints_dir / f"step_{progress.global_step}")
-        if evaluator and (progress.global_step % args.eval_steps == 0 or last):
+        # No checkpoint inside a streak of non-finite steps: `latest` would resume into the streak, with the
+        # weights that led to it, rather than before it.
+        preempted = not last and stop_agreed(accelerator, signals)
+        if evaluator and (progress.global_step % args.eval_steps == 0 or last) and not preempted:
             last_eval = evaluate(evaluator, model, accelerator, progress.global_step)
-        if args.save_steps and (progress.global_step % args.save_steps == 0 or last):
+        due = args.save_steps and (progress.global_step % args.save_steps == 0 or last)
+        if (due or preempted) and not bad_in_a_row:
             state = dataclasses.asdict(progress) | {"processes": derived["processes"], "args": vars(args)}
-            save_checkpoint(accelerator, checkpoints_dir, state, args.save_total_limit)
+            last_checkpoint = save_checkpoint(accelerator, checkpoints_dir, state, args.save_total_limit)
+        if preempted:
+            stop_preempted(accelerator, signals, last_checkpoint, saved=not bad_in_a_row)
         if last:
             break
     bar.close()
@@ -1165,12 +1172,15 @@ def stop_agreed(accelerator, signals):
     return accelerator.reduce(flag, "sum").item() > 0
 
 
-def stop_preempted(accelerator, signals, checkpoint):
-    """Exit 0 after the checkpoint: a launcher (accelerate's, torchrun) reports any other code as a crash."""
+def stop_preempted(accelerator, signals, checkpoint, saved):
+    """Exit 0 after the checkpoint: a launcher (accelerate's, torchrun) reports any other code as a crash.
+    Inside a streak of non-finite steps none was saved: `checkpoint` is the last one before it, or None."""
     why = ", ".join(sorted(signals)) or "a signal to another process"
+    where = (
+        f"saved {checkpoint}" if saved else f"no checkpoint inside non-finite steps, the last is {checkpoint}"
+    )
     accelerator.print(
-        f"stopped by {why}: saved {checkpoint}. Continue with the same command and "
-        "--resume_from_checkpoint latest"
+        f"stopped by {why}: {where}. Continue with the same command and --resume_from_checkpoint latest"
     )
     accelerator.end_training()
     sys.exit(0)
@@ -1204,6 +1214,8 @@ RESUME_KEYS = (
     "seed",
     "cross_process_negatives",  # it orders the batches of all processes together
 )
+# ... or with other weights: a full model's or a LoRA adapter's would not load into this launch's model.
+MODEL_KEYS = ("model", "lora_r", "lora_alpha", "lora_target_modules")
 
 
 def checkpoint_to_resume(args, accelerator):
@@ -1228,27 +1240,57 @@ def checkpoint_to_resume(args, accelerator):
                 f"Pass a step_<N> folder from {checkpoints_dir}, or 'latest'."
             )
     state = json.loads((checkpoint / "trainer_state.json").read_text())
-    changed = [f"--{k} {state['args'][k]}" for k in RESUME_KEYS if state["args"][k] != getattr(args, k)]
-    if changed or state["processes"] != accelerator.num_processes:
-        written = ", ".join(changed or [f"{state['processes']} processes"])
+    saved, processes = state["args"], state["processes"]
+
+    def changed(keys):
+        return [
+            f"--{k} {saved[k]} (this launch: {getattr(args, k)})"
+            for k in keys
+            if saved[k] != getattr(args, k)
+        ]
+
+    data_order = changed(RESUME_KEYS)
+    if processes != accelerator.num_processes:
+        data_order.append(f"{processes} processes (this launch: {accelerator.num_processes})")
+    weights = changed(MODEL_KEYS)
+    if data_order or weights:
+        why = [
+            ("the data order would not continue", data_order),
+            ("its weights are not this model's", weights),
+        ]
         fail(
-            f"{checkpoint} was written with {written}: the data order would not continue. Launch with the "
-            "checkpoint's values, or start a new --output_dir."
+            f"{checkpoint} was written with {', '.join(data_order + weights)}: "
+            f"{' and '.join(reason for reason, changes in why if changes)}. Launch with the checkpoint's "
+            "values, or start a new --output_dir."
         )
     return checkpoint, state
 
 
-def resume_training(accelerator, checkpoint, state, args, scheduler):
-    """Restore model, optimizer, scheduler and RNG states from `checkpoint`; where the run stood."""
+def resume_training(accelerator, checkpoint, state, args, scheduler, total_steps):
+    """Restore model, optimizer, scheduler and RNG states from `checkpoint`; where the run stood.
+
+    The learning rate schedule is this launch's: with another --lr, --max_steps or --epochs than the
+    checkpoint's, the run goes on from the checkpoint's step at the rate the new schedule (warmup and decay
+    over the new total) gives there, as a run launched with these values would have reached it."""
+    if total_steps < state["global_step"]:
+        fail(
+            f"{checkpoint} is at step {state['global_step']}, past this launch's {total_steps} steps "
+            "(--max_steps, or --epochs). Launch with --max_steps of at least that many."
+        )
     accelerator.load_state(str(checkpoint))
     progress = Progress(**{field.name: state[field.name] for field in dataclasses.fields(Progress)})
     accelerator.print(
         f"resumed from {checkpoint}: step {progress.global_step}, epoch {progress.epoch}, "
         f"batch {progress.batches_done}"
     )
-    if args.lr != state["args"]["lr"]:
-        set_peak_learning_rate(scheduler, args.lr)
-        accelerator.print(f"--lr {args.lr} replaces the checkpoint's {state['args']['lr']} from here on")
+    set_peak_learning_rate(scheduler, args.lr)  # load_state restored the checkpoint's schedule
+    if changed := [k for k in ("lr", "max_steps", "epochs") if getattr(args, k) != state["args"][k]]:
+        now = ", ".join(f"--{k} {getattr(args, k)}" for k in changed)
+        was = ", ".join(f"--{k} {state['args'][k]}" for k in changed)
+        accelerator.print(
+            f"{now} instead of the checkpoint's {was}: the learning rate follows the schedule of "
+            f"{total_steps} steps at {args.lr} from here on, {scheduler.get_last_lr()[0]:.3g} at this step"
+        )
     return progress
 
 
@@ -1289,6 +1331,7 @@ def save_checkpoint(accelerator, checkpoints_dir, trainer_state, total_limit):
             for old in complete_checkpoints(checkpoints_dir)[:-total_limit] if total_limit else []:
                 shutil.rmtree(old)  # only once the newer one is complete
         accelerator.wait_for_everyone()
+    return final
 
 
 def flush_to_disk(path):

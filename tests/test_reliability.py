@@ -223,21 +223,27 @@ def test_a_non_finite_step_never_reaches_the_weights(processes, tmp_path, data, 
     final, step_1 = weights(tmp_path / "final"), checkpoint_weights(tmp_path / "checkpoints" / "step_1")
     assert all(torch.equal(final[name], step_1[name]) for name in step_1)
     assert all(torch.isfinite(value).all() for value in final.values())
-    assert dict(logged_scalars(tmp_path)["train/nonfinite_steps"]) == {1: 0, 2: 1, 3: 2}
+    logged = {tag: dict(values) for tag, values in logged_scalars(tmp_path).items()}
+    assert logged["train/nonfinite_steps"] == {1: 0, 2: 1, 3: 2}
+    # a skipped step has no gradient norm: NaN, not the norm of the step before
+    assert math.isfinite(logged["train/grad_norm"][1]) and math.isnan(logged["train/grad_norm"][2])
+    assert math.isnan(logged["train/grad_norm"][3])
     for step in (2, 3):
         assert f"step {step}: loss or gradient not finite, update skipped" in done.stdout + done.stderr
 
 
-def test_steps_non_finite_in_a_row_stop_the_run_naming_the_last_checkpoint(
+def test_steps_non_finite_in_a_row_stop_the_run_naming_the_last_checkpoint_before_them(
     tmp_path, data, model_without_dropout
 ):
-    """Also: --save_total_limit 2 keeps the two newest checkpoints."""
+    """No checkpoint is saved inside the streak (it saved steps 4 and 5, and named step_5 to resume from: into
+    the streak, with the weights that led to it). Also: --save_total_limit 2 keeps the two newest."""
     args = ("--model", model_without_dropout, "--data", data[0], "--max_steps", 6, "--save_steps", 1)
     args += ("--save_total_limit", 2, "--max_bad_steps", 3)
-    done = launch_with_faults(tmp_path, *args, faults={"GRADCACHE_FAULT_NAN": "2,3,4"}, check=False)
+    done = launch_with_faults(tmp_path, *args, faults={"GRADCACHE_FAULT_NAN": "4,5,6"}, check=False)
     assert done.returncode != 0
-    assert "3 steps in a row (through step 4)" in done.stderr
-    assert f"The last checkpoint is {tmp_path / 'checkpoints' / 'step_3'}" in done.stderr
+    step_3 = tmp_path / "checkpoints" / "step_3"
+    assert "3 steps in a row (through step 6)" in done.stderr
+    assert f"The last checkpoint before them is {step_3}: resume from it" in done.stderr
     assert not (tmp_path / "final").exists()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_3"]
 

@@ -183,7 +183,9 @@ def reference_runs(tmp_path_factory, data, model_without_dropout):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_end_to_end_run_logs_saves_and_resumes_exactly(tmp_path, data, model_with_dropout):
+def test_end_to_end_run_logs_saves_and_resumes_exactly(
+    tmp_path, data, model_with_dropout, monkeypatch, capsys
+):
     # 24 examples are 3 batches an epoch: the checkpoint at step 4 sits one batch into the second epoch.
     common = (
         "--model", model_with_dropout, "--data", data[0], "--dev_data", data[1], "--max_train_examples", 24,
@@ -224,6 +226,17 @@ def test_end_to_end_run_logs_saves_and_resumes_exactly(tmp_path, data, model_wit
     assert [step for step, _ in logged_scalars(tmp_path / "resumed")["train/loss"]] == [5, 6]
     resumed_final = weights(tmp_path / "resumed" / "final")
     assert all(torch.equal(final[name], resumed_final[name]) for name in final)
+
+    # A longer --max_steps: the schedule of 8 steps from the start (warmup round(0.8) = 1 step, then linear
+    # decay), continued at step 4. It was the old one's rate at step 5, 0 at step 6, then the new one's.
+    longer = (*common, "--save_steps", 0, "--eval_steps", 0)  # the last value of a flag counts
+    resume_at_4 = ("--resume_from_checkpoint", checkpoints / "step_4")
+    run_main(monkeypatch, *longer, "--max_steps", 8, "--output_dir", tmp_path / "longer", *resume_at_4)
+    assert "--max_steps 8 instead of the checkpoint's --max_steps 6" in capsys.readouterr().out
+    rates = logged_scalars(tmp_path / "longer")["train/learning_rate"]
+    assert rates == [(step, pytest.approx(1e-3 * (8 - (step - 1)) / 7)) for step in (5, 6, 7, 8)]
+    with pytest.raises(SystemExit, match="step_4 is at step 4, past this launch's 3 steps"):
+        run_main(monkeypatch, *longer, "--max_steps", 3, "--output_dir", tmp_path / "shorter", *resume_at_4)
 
 
 def test_two_processes_resume_bit_for_bit_with_logs_evaluation_and_checkpoints_off(
@@ -815,8 +828,25 @@ def test_resuming_with_cross_process_negatives_toggled_is_refused(tmp_path, monk
     flags = ["--model", "m", "--data", "x.jsonl", "--cross_process_negatives"]
     state = {"processes": 2, "args": vars(train.parse_args(flags)) | {"cross_process_negatives": False}}
     (tmp_path / "trainer_state.json").write_text(json.dumps(state))
-    with pytest.raises(SystemExit, match="written with --cross_process_negatives False: the data order"):
+    changed = (
+        r"--cross_process_negatives False \(this launch: True\), 2 processes \(this launch: 1\): the data"
+    )
+    with pytest.raises(SystemExit, match=changed):
         run_main(monkeypatch, *flags, "--output_dir", tmp_path / "run", "--resume_from_checkpoint", tmp_path)
+
+
+def test_resuming_with_another_model_or_adapter_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """load_state failed on the weights with a state_dict traceback of 89 lines."""
+    flags = ["--model", "m", "--data", "x.jsonl", "--lora_r", "8"]
+    state = {"processes": 1, "args": vars(train.parse_args(flags)) | {"model": "other", "lora_r": 0}}
+    (tmp_path / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(SystemExit):
+        run_main(monkeypatch, *flags, "--output_dir", tmp_path / "run", "--resume_from_checkpoint", tmp_path)
+    assert capsys.readouterr().err == (
+        f"train.py: error: {tmp_path} was written with --model other (this launch: m), --lora_r 0 "
+        "(this launch: 8): its weights are not this model's. Launch with the checkpoint's values, or start a "
+        "new --output_dir.\n"
+    )
 
 
 def test_evaluator_retrieves_each_query_positive_among_distinct_positives():
