@@ -15,8 +15,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_train import CONFIGS, launch, logged_scalars, weights, zero3_partitioning_everything
+from test_train import CONFIGS, launch, logged_scalars, run_main, weights, zero3_partitioning_everything
 
+import gradcache
 import train
 
 FAULTS = Path(__file__).parent / "faults"
@@ -246,6 +247,27 @@ def test_steps_non_finite_in_a_row_stop_the_run_naming_the_last_checkpoint_befor
     assert f"The last checkpoint before them is {step_3}: resume from it" in done.stderr
     assert not (tmp_path / "final").exists()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_3"]
+
+
+def test_non_finite_steps_from_the_start_stop_saying_there_is_no_checkpoint(
+    tmp_path, data, model_without_dropout, monkeypatch
+):
+    cache = gradcache.cache_representation_gradients
+
+    def nan_cache(*args):
+        loss, rep_grads = cache(*args)
+        return loss * math.nan, rep_grads
+
+    monkeypatch.setattr(gradcache, "cache_representation_gradients", nan_cache)
+    args = ("--model", model_without_dropout, "--data", data[0], "--output_dir", tmp_path, *RUN)
+    with pytest.raises(SystemExit) as stopped:
+        run_main(monkeypatch, *args, "--max_steps", 4, "--save_steps", 1, "--max_bad_steps", 2)
+    assert str(stopped.value) == (
+        "train.py: error: 2 steps in a row (through step 2) had a loss or gradient that is not finite; "
+        "none of them changed the weights. No checkpoint was saved before them: start again with a lower "
+        "--lr, or check the data of these steps."
+    )
+    assert not (tmp_path / "checkpoints").exists()
 
 
 @pytest.mark.parametrize("processes", [1, 2])

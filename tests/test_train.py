@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -190,7 +191,7 @@ def test_end_to_end_run_logs_saves_and_resumes_exactly(
     common = (
         "--model", model_with_dropout, "--data", data[0], "--dev_data", data[1], "--max_train_examples", 24,
         "--batch_size", 8, "--chunk_size", 3, "--max_steps", 6, "--save_steps", 4, "--eval_steps", 3,
-        "--lr", 1e-3,
+        "--lr", 1e-3, "--matryoshka_dims", "32,16",
     )  # fmt: skip
     straight = launch(CONFIGS / "cpu.yaml", tmp_path / "straight", *common)
 
@@ -205,6 +206,16 @@ def test_end_to_end_run_logs_saves_and_resumes_exactly(
     assert {value for _, value in logged["train/chunk_size"]} == {3}
     for tag in ("train/loss", "train/grad_norm", "train/examples_per_second", "memory/rss_gib"):
         assert all(value > 0 and value < float("inf") for _, value in logged[tag]), tag
+    for tag in ("train/tokens_per_second", "train/loss_dim_32", "train/loss_dim_16"):
+        assert [step for step, value in logged[tag] if 0 < value < float("inf")] == [1, 2, 3, 4, 5, 6], tag
+    for tag in (
+        "train/in_batch_accuracy",
+        "train/padding_efficiency",
+    ):  # fractions (texts of one length here)
+        assert all(0 <= value <= 1 for _, value in logged[tag]), tag
+    (config,) = (tmp_path / "straight" / "tensorboard" / "gradcache").glob("*/hparams.yml")
+    config = yaml.safe_load(config.read_text())  # the values the run used, not the flags' None
+    assert (config["similarity"], config["max_seq_length"], config["chunk_size"]) == ("cos", 32, 3)
     assert max(value for _, value in logged["train/learning_rate"]) == pytest.approx(1e-3)
     (wandb_run,) = (tmp_path / "straight" / "wandb").glob("offline-run-*/run-*.wandb")
     wandb_records = wandb_run.read_bytes()  # protobuf records: metric names are stored as plain text
@@ -219,10 +230,18 @@ def test_end_to_end_run_logs_saves_and_resumes_exactly(
     assert max_difference(final, load_file(checkpoints / "step_4" / "model.safetensors")) > 1e-4
 
     resumed = launch(
-        CONFIGS / "cpu.yaml", tmp_path / "resumed", *common, "--wandb_mode", "disabled",
-        "--resume_from_checkpoint", checkpoints / "step_4",
-    )  # fmt: skip
+        CONFIGS / "cpu.yaml",
+        tmp_path / "resumed",
+        *common,
+        "--resume_from_checkpoint",
+        checkpoints / "step_4",
+    )
     assert "resumed from" in resumed.stdout
+    (wandb_run_id,) = {
+        path.name.rsplit("-", 1)[1] for path in (tmp_path / "straight" / "wandb").glob("offline-*")
+    }
+    assert state["wandb_run_id"] == wandb_run_id  # saved with the checkpoint, and continued from it
+    assert list((tmp_path / "resumed" / "wandb").glob(f"offline-run-*-{wandb_run_id}"))
     assert [step for step, _ in logged_scalars(tmp_path / "resumed")["train/loss"]] == [5, 6]
     resumed_final = weights(tmp_path / "resumed" / "final")
     assert all(torch.equal(final[name], resumed_final[name]) for name in final)
@@ -512,11 +531,11 @@ def test_argument_errors_say_what_to_do(capsys):
         capsys, lambda: train.parse_args(["--save_steps", "-1"]), "--save_steps must be 0 (off) or more"
     )
     assert train.parse_args(["--eval_steps", "0", "--log_steps", "0", "--save_steps", "0"]).save_steps == 0
-    # argparse's own errors too: one line, not the usage of every flag above it; exit status 2
+    # argparse's own errors too: one line, not the usage of every flag above it
     with pytest.raises(SystemExit) as stopped:
         train.parse_args(["--batch_size", "eight"])
-    assert stopped.value.code == 2
-    assert capsys.readouterr().err == "train.py: error: argument --batch_size: invalid int value: 'eight'\n"
+    assert str(stopped.value) == "train.py: error: argument --batch_size: invalid int value: 'eight'"
+    assert capsys.readouterr().err == ""
 
 
 def test_help_shows_every_default(capsys):
@@ -835,17 +854,17 @@ def test_resuming_with_cross_process_negatives_toggled_is_refused(tmp_path, monk
         run_main(monkeypatch, *flags, "--output_dir", tmp_path / "run", "--resume_from_checkpoint", tmp_path)
 
 
-def test_resuming_with_another_model_or_adapter_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+def test_resuming_with_another_model_or_adapter_is_refused_in_one_line(tmp_path, monkeypatch):
     """load_state failed on the weights with a state_dict traceback of 89 lines."""
     flags = ["--model", "m", "--data", "x.jsonl", "--lora_r", "8"]
     state = {"processes": 1, "args": vars(train.parse_args(flags)) | {"model": "other", "lora_r": 0}}
     (tmp_path / "trainer_state.json").write_text(json.dumps(state))
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as stopped:
         run_main(monkeypatch, *flags, "--output_dir", tmp_path / "run", "--resume_from_checkpoint", tmp_path)
-    assert capsys.readouterr().err == (
+    assert str(stopped.value) == (
         f"train.py: error: {tmp_path} was written with --model other (this launch: m), --lora_r 0 "
         "(this launch: 8): its weights are not this model's. Launch with the checkpoint's values, or start a "
-        "new --output_dir.\n"
+        "new --output_dir."
     )
 
 
