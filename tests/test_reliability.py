@@ -65,6 +65,8 @@ def test_killed_at_a_checkpoint_the_run_resumes_bit_for_bit(
 
     resumed = launch_with_faults(tmp_path, *args, "--resume_from_checkpoint", "latest")
     assert f"resumed from {tmp_path / 'checkpoints' / expected_latest}:" in resumed.stdout
+    # Steps 3 and 4, logged before the kill and again after the resume from step 2, show once in TensorBoard
+    assert [step for step, _ in logged_scalars(tmp_path)["train/loss"]] == [1, 2, 3, 4, 5, 6]
     resumed, reference = weights(tmp_path / "final"), weights(uninterrupted / "final")
     assert all(torch.equal(resumed[name], reference[name]) for name in reference)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_4", "step_6"]
