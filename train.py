@@ -910,7 +910,7 @@ def main(args):
                         fail(
                             f"DeepSpeed applied step {progress.global_step + 1} with a gradient norm of "
                             f"{grad_norm}: the weights are no longer finite. Resume from the last checkpoint "
-                            "with a lower --lr."
+                            f"({last_checkpoint or 'none was saved'}) with a lower --lr."
                         )
                 optimizer.zero_grad()
                 progress.nonfinite_steps += bad_window
@@ -1256,9 +1256,7 @@ def stop_preempted(accelerator, signals, checkpoint, saved):
     """Exit 0 after the checkpoint: a launcher (accelerate's, torchrun) reports any other code as a crash.
     Inside a streak of non-finite steps none was saved: `checkpoint` is the last one before it, or None."""
     why = ", ".join(sorted(signals)) or "a signal to another process"
-    where = (
-        f"saved {checkpoint}" if saved else f"no checkpoint inside non-finite steps, the last is {checkpoint}"
-    )
+    where = f"saved {checkpoint}" if saved else f"none saved inside non-finite steps, the last: {checkpoint}"
     accelerator.print(
         f"stopped by {why}: {where}. Continue with the same command and --resume_from_checkpoint latest"
     )
