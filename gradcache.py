@@ -783,7 +783,11 @@ def contrastive_loss(
     false_negatives:   a `FalseNegatives`: candidates of a row that are not negatives leave its softmax
                        (tile by tile, never B x N); the row's own target always stays.
     stats:             a dict that receives "masked_fraction": the share of candidates (targets left
-                       out) that `false_negatives` masked, over every direction and Matryoshka size.
+                       out) that `false_negatives` masked, over every direction and Matryoshka size;
+                       "accuracy": the share of anchors whose positive scores highest of their candidates
+                       (read off the forward's row maxima, over every Matryoshka size); with
+                       `matryoshka_dims`, "matryoshka_losses": {dim: L(dim)}, unweighted, the mean over
+                       the rows computed (`local_rows`).
     teacher_scores:    B x (1 + k) scores of a teacher (a cross-encoder) for each anchor's positive and hard
                        negatives: adds distill_weight x the KL divergence from the teacher's softmax to the
                        student's over each anchor's own group, both at `distill_temperature` (the student's
@@ -795,20 +799,28 @@ def contrastive_loss(
     rows = slice(0, len(anchor)) if local_rows is None else local_rows
     columns = [anchor, positive, *negatives]
     counts = [0, 0]  # candidates masked, candidates seen
+    hits = [0, 0] if stats is not None else None  # anchors whose positive scores highest, anchors
     options = dict(scale=scale, symmetric=symmetric, rows=rows, tile_size=tile_size)
-    options |= dict(false_negatives=false_negatives, counts=counts)
+    options |= dict(false_negatives=false_negatives, counts=counts, hits=hits)
     if matryoshka_dims is None:
         if similarity == "cos":
             columns = [F.normalize(column, dim=-1) for column in columns]
         loss = info_nce(*columns, **options)
     else:
         weights = check_matryoshka(matryoshka_dims, matryoshka_weights, anchor.shape[-1])
-        loss = sum(
-            weight * info_nce(*[F.normalize(column[:, :dim], dim=-1) for column in columns], **options)
-            for dim, weight in zip(matryoshka_dims, weights, strict=True)
-        )
+        terms = [
+            info_nce(*[F.normalize(column[:, :dim], dim=-1) for column in columns], **options)
+            for dim in matryoshka_dims
+        ]
+        loss = sum(weight * term for weight, term in zip(weights, terms, strict=True))
     if stats is not None:
         stats["masked_fraction"] = float(counts[0]) / max(counts[1], 1)
+        stats["accuracy"] = float(hits[0]) / max(hits[1], 1)
+        if matryoshka_dims is not None:  # each term is divided by the whole batch: per row computed
+            per_row = len(anchor) / len(range(*rows.indices(len(anchor))))
+            stats["matryoshka_losses"] = {
+                dim: float(term.detach()) * per_row for dim, term in zip(matryoshka_dims, terms, strict=True)
+            }
     if teacher_scores is not None:
         full = (
             [F.normalize(c, dim=-1) for c in (anchor, positive, *negatives)] if similarity == "cos" else None
@@ -831,14 +843,14 @@ def distillation(student, teacher, temperature):
     return F.kl_div(student, teacher, log_target=True, reduction="sum")
 
 
-def info_nce(anchor, positive, *negatives, scale, symmetric, rows, tile_size, false_negatives, counts):
+def info_nce(anchor, positive, *negatives, scale, symmetric, rows, tile_size, false_negatives, counts, hits):
     """L of `contrastive_loss` on representations as they are (already normalized for cosine)."""
     first_row = rows.start or 0  # the global index of the first local row is also that of its positive
     candidates = torch.cat([positive, *negatives])
     masks = [None, None]
     if false_negatives is not None:
         masks = false_negatives.tile_masks(anchor, positive, len(negatives), rows, scale)
-    loss = tiled_cross_entropy(anchor[rows], candidates, first_row, scale, tile_size, masks[0])
+    loss = tiled_cross_entropy(anchor[rows], candidates, first_row, scale, tile_size, masks[0], hits)
     loss = loss.sum() / len(anchor)
     if symmetric:
         reverse = tiled_cross_entropy(positive[rows], anchor, first_row, scale, tile_size, masks[1])
@@ -941,11 +953,12 @@ def default_tile_size(rows, columns):
     return max(1, min(2048, max(rows, columns)))
 
 
-def tiled_cross_entropy(queries, keys, first_target, scale, tile_size=None, mask=None):
+def tiled_cross_entropy(queries, keys, first_target, scale, tile_size=None, mask=None, hits=None):
     """Per row i: LSE_j(s_ij) - s_i,t(i), s_ij = tau <q_i, k_j>, t(i) = first_target + i; never B x N.
-    A `TileMask` leaves entries out of the log-sum-exp (never the targets)."""
+    A `TileMask` leaves entries out of the log-sum-exp (never the targets). `hits`, a list [rows whose target
+    scores highest, rows], is added to."""
     tile_size = tile_size or default_tile_size(len(queries), len(keys))
-    return TiledCrossEntropy.apply(queries, keys, int(first_target), float(scale), int(tile_size), mask)
+    return TiledCrossEntropy.apply(queries, keys, int(first_target), float(scale), int(tile_size), mask, hits)
 
 
 class TiledCrossEntropy(torch.autograd.Function):
@@ -966,7 +979,7 @@ class TiledCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, queries, keys, first_target, scale, tile_size, mask=None):
+    def forward(ctx, queries, keys, first_target, scale, tile_size, mask=None, hits=None):
         scaled = queries * scale
         # The lowest finite number, not -inf: a row whose tile is all masked must give exp(-inf - max) = 0.
         lowest = torch.finfo(queries.dtype).min
@@ -986,6 +999,8 @@ class TiledCrossEntropy(torch.autograd.Function):
             rescale = torch.exp(row_max[rows] - new_max)
             row_sum[rows] = row_sum[rows] * rescale + scores.sub_(new_max[:, None]).exp_().sum(dim=1)
             row_max[rows] = new_max
+        if hits is not None:  # the row maximum includes the target: a tie counts as a hit
+            hits[0], hits[1] = hits[0] + (target_scores >= row_max).sum(), hits[1] + len(queries)
         ctx.save_for_backward(queries, keys, row_max, row_sum)
         ctx.first_target, ctx.scale, ctx.tile_size, ctx.mask = first_target, scale, tile_size, mask
         return row_sum.log() - (target_scores - row_max)
@@ -1007,7 +1022,7 @@ class TiledCrossEntropy(torch.autograd.Function):
             weights[local, targets] -= grad_rows[i + local]
             grad_queries[rows].addmm_(weights, keys[columns], alpha=ctx.scale)
             grad_keys[columns].addmm_(weights.T, scaled[rows])
-        return grad_queries, grad_keys, None, None, None, None
+        return grad_queries, grad_keys, None, None, None, None, None
 
 
 def tiles(num_rows, num_columns, tile_size):

@@ -63,8 +63,19 @@ from pathlib import Path
 
 
 def fail(message):
-    """Stop with a message that says what to do (no traceback)."""
+    """Stop with one line that says what to do: no traceback, no usage text. Launched, the line is printed
+    once main has unwound, closing the progress bar, and the exit status is 2 (see the end of the file)."""
     raise SystemExit(f"train.py: error: {message}")
+
+
+def print_error(line):
+    """The error line, on stderr. Under torchrun (accelerate's multi-process and DeepSpeed launchers) also in
+    the process's error file, which the launcher prints as the root cause at the end of its failure summary:
+    there, rather than above the launcher's own traceback. accelerate's one-process launcher prints a
+    traceback after any non-zero exit, unless launched with --quiet."""
+    print(line, file=sys.stderr, flush=True)
+    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
 
 
 def check_versions(minimums, needed_for=""):
@@ -122,7 +133,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return action.help if "default" in (action.help or "") else super()._get_help_string(action)
 
 
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # one line: argparse would print the usage of every flag above it
+        fail(message)
+
+
+parser = ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
 add = parser.add_argument
 # Model
 add(
@@ -204,7 +220,13 @@ add("--lr_schedule", choices=["linear", "cosine"], default="linear", help="decay
 add("--warmup_ratio", type=float, default=0.1, help="fraction of the steps spent warming up")
 add("--max_grad_norm", type=float, default=1.0, help="gradient clipping, DeepSpeed included; 0: none")
 add("--epochs", type=int, default=1, help="passes over the training data")
-add("--max_steps", type=int, default=0, help="optimizer steps; overrides --epochs when > 0")
+add(
+    "--max_steps",
+    type=int,
+    default=0,
+    help="optimizer steps; overrides --epochs when > 0. Changed on resume: the learning rate follows the "
+    "schedule of the new total from the checkpoint's step on (a total below that step is refused)",
+)
 add(
     "--seed",
     type=int,
@@ -1038,28 +1060,37 @@ def loss_function(args, model):
     )
 
 
-def gradient_cache_step(accelerator, engine, model, prompts, loss_fn, args, batch, chunking):
+def gradient_cache_step(accelerator, engine, model, prompts, loss_fn, args, batch, chunking, stats=None):
     """Gradient Cache on one batch ({column: texts}): accumulates its gradients, returns gradcache's report.
 
     Only the token counts of the texts are taken up front (tokenize with padding=False), to sort and budget
     the chunks; each chunk is tokenized as it is encoded, never the batch as a whole. A Router model's engine
-    (Towers) encodes a whole group of chunks per call.
+    (Towers) encodes a whole group of chunks per call. `stats`, a dict, receives the batch's "tokens" and
+    the "padding_efficiency" of its chunks: their real tokens over their padded ones.
     """
     towers = isinstance(accelerator.unwrap_model(engine), Towers)
+    chunk_tokens = [0, 0]  # real and padded, over every chunk encoded
 
     def token_counts(column, texts):
         unpadded = tokenize(model, texts, column, prompts, padding=False)
         return torch.tensor([len(ids) for ids in unpadded["input_ids"]])
 
     def chunk_tokenizer(column):
-        return lambda texts: send_to_device(tokenize(model, texts, column, prompts), accelerator.device)
+        def tokenized(texts):
+            features = tokenize(model, texts, column, prompts)
+            chunk_tokens[0] += int(features["attention_mask"].sum())
+            chunk_tokens[1] += features["attention_mask"].numel()
+            return send_to_device(features, accelerator.device)
 
-    return gradcache.gradcache_step(
+        return tokenized
+
+    lengths = [token_counts(column, texts) for column, texts in batch.items()]
+    report = gradcache.gradcache_step(
         None if towers else engine,
         list(batch.values()),
         loss_fn,
         **chunking,
-        lengths=[token_counts(column, texts) for column, texts in batch.items()],
+        lengths=lengths,
         select=[gradcache.tokenize_per_chunk(chunk_tokenizer(column)) for column in batch],
         backward=accelerator.backward,
         sync_context=gradcache.accelerate_sync_context(accelerator, engine),
@@ -1068,6 +1099,10 @@ def gradient_cache_step(accelerator, engine, model, prompts, loss_fn, args, batc
         agree_on_out_of_memory=accelerator.distributed_type != DistributedType.DEEPSPEED,
         encode_group=engine if towers else None,
     )
+    if stats is not None:
+        stats["tokens"] = int(sum(column.sum() for column in lengths))
+        stats["padding_efficiency"] = chunk_tokens[0] / chunk_tokens[1]
+    return report
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1092,13 +1127,17 @@ def main(args):
     engine, optimizer, loader, scheduler, derived = prepare_training(
         args, accelerator, model, train_data, skipped_records
     )
-    loss_fn = loss_function(args, model)
-    step = functools.partial(gradient_cache_step, accelerator, engine, model, prompts, loss_fn, args)
+    stats = {}  # each batch's numbers for the logs: tokens from the step, in-batch accuracy from the loss
+    loss_fn = functools.partial(loss_function(args, model), stats=stats)
+    step = functools.partial(
+        gradient_cache_step, accelerator, engine, model, prompts, loss_fn, args, stats=stats
+    )
     fp16 = loss_scale(accelerator, engine) is not None  # the loss is scaled: its scaler skips overflows
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-    start_tracking(accelerator, args, derived)
-    progress = resume_training(accelerator, *resume, args, scheduler) if resume else Progress()
     total_steps, checkpoints_dir = derived["total_steps"], Path(args.output_dir) / "checkpoints"
+    progress = resume_training(accelerator, *resume, args, scheduler, total_steps) if resume else Progress()
+    resolved = resolved_settings(args, model, prompts)  # what the flags left to the model, as it runs
+    wandb_run_id = start_tracking(accelerator, args, resolved | derived, resume[1] if resume else None)
     signals = stop_on_signals()  # preemption: saved at the next optimizer step, then the run stops
 
     # --- The loop: an optimizer step every --gradient_accumulation_steps batches ---
@@ -1106,83 +1145,100 @@ def main(args):
     if evaluator and progress.global_step == 0:
         first_eval = last_eval = evaluate(evaluator, model, accelerator, global_step=0)
     engine.train()
-    bar = tqdm(total=total_steps, initial=progress.global_step, disable=not accelerator.is_main_process)
     window, grad_norm, bad_window, bad_in_a_row = LogWindow(), None, False, 0
+    last_checkpoint = resume[0] if resume else None  # the one to name when the run stops
     chunking = {"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {"chunk_size": args.chunk_size}
-    for batch in batches_from(progress, loader, accelerator, total_steps):
-        started = time.perf_counter()
-        with accelerator.accumulate(engine):  # sync_gradients: at the last batch of an accumulation window
-            report, chunking = step_with_back_off(step, batch, chunking, args, accelerator, optimizer)
-        bad_window |= report.skipped  # a loss not finite: gradcache back-propagated nothing, anywhere
-        if accelerator.sync_gradients:
-            # The optimizer step. A bad step, a loss or gradient norm not finite (the norm taken after DDP's
-            # all-reduce: every process decides alike), is never unscaled nor applied; --max_bad_steps in a
-            # row stop the run. With fp16's scaled loss an infinite norm is an overflow instead, normal in the
-            # first steps: the scaler (accelerate's, or DeepSpeed's) skips the update, lowering its scale.
-            # Under DeepSpeed the engine stepped inside the last backward: step() is a no-op, the norm its
-            # own. --max_grad_norm 0 is no clipping, as DeepSpeed reads it (torch's would zero the gradients).
-            learning_rate, overflow = scheduler.get_last_lr()[0], False
-            if not bad_window:
-                grad_norm = accelerator.clip_grad_norm_(engine.parameters(), args.max_grad_norm or math.inf)
-                infinite = grad_norm is not None and not math.isfinite(grad_norm)
-                bad_window = infinite and not fp16
+    # A context: an error's line (printed at the end of the file) comes after the bar, not on its line.
+    with tqdm(
+        total=total_steps, initial=progress.global_step, disable=not accelerator.is_main_process
+    ) as bar:
+        for batch in batches_from(progress, loader, accelerator, total_steps):
+            started = time.perf_counter()
+            # sync_gradients: at the last batch of an accumulation window
+            with accelerator.accumulate(engine):
+                report, chunking = step_with_back_off(step, batch, chunking, args, accelerator, optimizer)
+            bad_window |= report.skipped  # a loss not finite: gradcache back-propagated nothing, anywhere
+            if accelerator.sync_gradients:
+                # The optimizer step. A bad step, a loss or gradient norm not finite (the norm taken after
+                # DDP's all-reduce: every process decides alike), is never unscaled nor applied;
+                # --max_bad_steps in a row stop the run. With fp16's scaled loss an infinite norm is an
+                # overflow instead, normal in the first steps: the scaler (accelerate's, or DeepSpeed's) skips
+                # the update, lowering its scale. Under DeepSpeed the engine stepped inside the last backward:
+                # step() is a no-op, the norm its own. --max_grad_norm 0 is no clipping, as DeepSpeed reads it
+                # (torch's would zero the gradients).
+                learning_rate, overflow = scheduler.get_last_lr()[0], False
                 if not bad_window:
-                    optimizer.step()
-                overflow = fp16 and accelerator.optimizer_step_was_skipped
-                if deepspeed and infinite and not accelerator.optimizer_step_was_skipped:
-                    fail(
-                        f"DeepSpeed applied step {progress.global_step + 1} with a gradient norm of "
-                        f"{grad_norm}: the weights are no longer finite. Resume from the last checkpoint "
-                        "with a lower --lr."
+                    grad_norm = accelerator.clip_grad_norm_(
+                        engine.parameters(), args.max_grad_norm or math.inf
                     )
-            optimizer.zero_grad()
-            progress.nonfinite_steps += bad_window
-            progress.skipped_steps += bad_window or overflow
-            if bad_window or overflow:  # no update, no schedule
-                why = "loss or gradient not finite" if bad_window else "fp16 overflow"
-                scale = f"; loss scale now {loss_scale(accelerator, engine)}" if overflow else ""
-                accelerator.print(f"step {progress.global_step + 1}: {why}, update skipped{scale}")
-            else:  # an update was applied: what follows the weights moves on
-                scheduler.step()
-            bad_in_a_row = bad_in_a_row + 1 if bad_window else 0
-            if bad_in_a_row >= args.max_bad_steps:
-                last_good = latest_checkpoint(checkpoints_dir) or "none: no checkpoint was written yet"
-                fail(
-                    f"{bad_in_a_row} steps in a row (through step {progress.global_step + 1}) had a loss or "
-                    "gradient that is not finite; none of them changed the weights. The last checkpoint is "
-                    f"{last_good}. Resume from it (--output_dir {args.output_dir} --resume_from_checkpoint "
-                    "latest) with a lower --lr, or check the data of these steps."
-                )
-            bad_window = False
-        progress.batches_done += 1
-        window.loss, window.batches = window.loss + report.loss, window.batches + 1
-        window.seconds += time.perf_counter() - started
-        if not accelerator.sync_gradients:
-            continue
+                    infinite = grad_norm is not None and not math.isfinite(grad_norm)
+                    bad_window = infinite and not fp16
+                    if not bad_window:
+                        optimizer.step()
+                    overflow = fp16 and accelerator.optimizer_step_was_skipped
+                    if deepspeed and infinite and not accelerator.optimizer_step_was_skipped:
+                        fail(
+                            f"DeepSpeed applied step {progress.global_step + 1} with a gradient norm of "
+                            f"{grad_norm}: the weights are no longer finite. Resume from the last checkpoint "
+                            f"({last_checkpoint or 'none was saved'}) with a lower --lr."
+                        )
+                optimizer.zero_grad()
+                progress.nonfinite_steps += bad_window
+                progress.skipped_steps += bad_window or overflow
+                if bad_window or overflow:  # no update, no schedule, no gradient norm to log
+                    grad_norm = None
+                    why = "loss or gradient not finite" if bad_window else "fp16 overflow"
+                    scale = f"; loss scale now {loss_scale(accelerator, engine)}" if overflow else ""
+                    accelerator.print(f"step {progress.global_step + 1}: {why}, update skipped{scale}")
+                else:  # an update was applied: what follows the weights moves on
+                    scheduler.step()
+                bad_in_a_row = bad_in_a_row + 1 if bad_window else 0
+                if bad_in_a_row >= args.max_bad_steps:  # no checkpoint was saved since the streak began
+                    fail(
+                        f"{bad_in_a_row} steps in a row (through step {progress.global_step + 1}) had a loss "
+                        "or gradient that is not finite; none of them changed the weights. "
+                        + (
+                            f"The last checkpoint before them is {last_checkpoint}: resume from it "
+                            f"(--resume_from_checkpoint {last_checkpoint}) with a lower --lr"
+                            if last_checkpoint
+                            else "No checkpoint was saved before them: start again with a lower --lr"
+                        )
+                        + ", or check the data of these steps."
+                    )
+                bad_window = False
+            progress.batches_done += 1
+            window.add(report.loss, stats, time.perf_counter() - started)
+            if not accelerator.sync_gradients:
+                continue
 
-        progress.global_step, window.steps = progress.global_step + 1, window.steps + 1
-        last = progress.global_step == total_steps
-        speed = f"{window.examples_per_second(derived['effective_batch_size']):.1f}"
-        bar.update()
-        bar.set_postfix(loss=f"{report.loss.item():.4f}", examples_per_s=speed)
-        if args.log_steps and (progress.global_step % args.log_steps == 0 or last):
-            log_training(
-                accelerator, engine, progress, window, derived, len(loader), learning_rate=learning_rate,
-                grad_norm=float("nan") if grad_norm is None else float(grad_norm), **chunking,
-            )  # fmt: skip
-            window = LogWindow()
-        if not last and stop_agreed(accelerator, signals):
-            state = dataclasses.asdict(progress) | {"processes": derived["processes"], "args": vars(args)}
-            save_checkpoint(accelerator, checkpoints_dir, state, args.save_total_limit)
-            stop_preempted(accelerator, signals, checkpoints_dir / f"step_{progress.global_step}")
-        if evaluator and (progress.global_step % args.eval_steps == 0 or last):
-            last_eval = evaluate(evaluator, model, accelerator, progress.global_step)
-        if args.save_steps and (progress.global_step % args.save_steps == 0 or last):
-            state = dataclasses.asdict(progress) | {"processes": derived["processes"], "args": vars(args)}
-            save_checkpoint(accelerator, checkpoints_dir, state, args.save_total_limit)
-        if last:
-            break
-    bar.close()
+            progress.global_step, window.steps = progress.global_step + 1, window.steps + 1
+            last = progress.global_step == total_steps
+            speed = f"{window.examples_per_second(derived['effective_batch_size']):.1f}"
+            bar.update()
+            bar.set_postfix(loss=f"{report.loss.item():.4f}", examples_per_s=speed)
+            if args.log_steps and (progress.global_step % args.log_steps == 0 or last):
+                log_training(
+                    accelerator, engine, progress, window, derived, len(loader), learning_rate=learning_rate,
+                    grad_norm=float("nan") if grad_norm is None else float(grad_norm), **chunking,
+                )  # fmt: skip
+                window = LogWindow()
+            # No checkpoint inside a streak of non-finite steps: `latest` would resume into the streak, with
+            # the weights that led to it, rather than before it.
+            preempted = not last and stop_agreed(accelerator, signals)
+            if evaluator and (progress.global_step % args.eval_steps == 0 or last) and not preempted:
+                last_eval = evaluate(evaluator, model, accelerator, progress.global_step)
+            due = args.save_steps and (progress.global_step % args.save_steps == 0 or last)
+            if (due or preempted) and not bad_in_a_row:
+                state = dataclasses.asdict(progress) | {
+                    "processes": derived["processes"],
+                    "args": vars(args),
+                    "wandb_run_id": wandb_run_id,  # a run resumed from this checkpoint continues it
+                }
+                last_checkpoint = save_checkpoint(accelerator, checkpoints_dir, state, args.save_total_limit)
+            if preempted:
+                stop_preempted(accelerator, signals, last_checkpoint, saved=not bad_in_a_row)
+            if last:
+                break
     finish(accelerator, model, args, prompts, first_eval, last_eval)
 
 
@@ -1313,17 +1369,43 @@ def loss_scale(accelerator, engine):
     return None
 
 
-def start_tracking(accelerator, args, derived):
-    """Print the whole configuration and send it to wandb and TensorBoard."""
+def resolved_settings(args, model, prompts):
+    """The flags whose default is the model's (None), as the run uses them: for the logged configuration."""
+    return {
+        "similarity": "dot" if model.similarity_fn_name == "dot" else "cos",
+        "max_seq_length": model.max_seq_length,
+        "query_prompt": prompts["query"] or "",
+        "document_prompt": prompts["document"] or "",
+        "lora_alpha": args.lora_alpha or 2 * args.lora_r,
+        "loss_tile_size": args.loss_tile_size or "automatic",
+    }
+
+
+def start_tracking(accelerator, args, settings, resumed_state):
+    """Print the whole configuration as the run uses it (the flags, overridden by `settings`) and send it to
+    wandb and TensorBoard; the wandb run's id, the same on every process (None without wandb).
+
+    A resumed run continues the wandb run of its checkpoint's trainer state. The interrupted run may have
+    logged steps after its checkpoint, which this one logs again: TensorBoard's purge_step marks where this
+    launch starts, and TensorBoard drops what earlier event files hold from that step on."""
     config = {
-        k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in (vars(args) | derived).items()
+        k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in (vars(args) | settings).items()
     }
     accelerator.print("\n".join(f"{name:>28}: {value}" for name, value in config.items()))
     wandb_kwargs = {"name": args.run_name, "mode": args.wandb_mode, "dir": str(Path(args.output_dir))}
-    accelerator.init_trackers(args.wandb_project, config, init_kwargs={"wandb": wandb_kwargs})
-    # wandb drops a step below its own counter: plot by our field instead
+    wandb_kwargs |= {"id": (resumed_state or {}).get("wandb_run_id"), "resume": "allow"}
+    first_step = resumed_state["global_step"] + 1 if resumed_state else 0
+    accelerator.init_trackers(
+        args.wandb_project,
+        config,
+        init_kwargs={"wandb": wandb_kwargs, "tensorboard": {"purge_step": first_step}},
+    )
+    run_id = None
     if accelerator.is_main_process and args.wandb_mode != "disabled":
-        accelerator.get_tracker("wandb", unwrap=True).define_metric("*", step_metric="train/global_step")
+        run = accelerator.get_tracker("wandb", unwrap=True)
+        run.define_metric("*", step_metric="train/global_step")  # wandb drops a step below its own counter
+        run_id = run.id
+    return broadcast_object_list([run_id])[0]  # every machine's copy of a checkpoint names it
 
 
 @dataclasses.dataclass
@@ -1358,10 +1440,23 @@ def evaluate(evaluator, model, accelerator, global_step):
 class LogWindow:
     """What happened since the last log: its means become the logged training metrics."""
 
-    loss: float = 0.0  # summed over the batches
+    loss: float = 0.0  # this and the others summed over the batches
+    in_batch_accuracy: float = 0.0
+    padding_efficiency: float = 0.0
+    matryoshka_losses: dict = dataclasses.field(default_factory=dict)
+    tokens: int = 0
     batches: int = 0
     steps: int = 0
     seconds: float = 0.0  # training only: evaluation, logging and checkpoints left out
+
+    def add(self, loss, stats, seconds):
+        """One batch: its loss, and its `stats` from the step and the loss."""
+        self.loss, self.batches, self.seconds = self.loss + loss, self.batches + 1, self.seconds + seconds
+        self.in_batch_accuracy += stats["accuracy"]
+        self.padding_efficiency += stats["padding_efficiency"]
+        self.tokens += stats["tokens"]
+        for dim, value in stats.get("matryoshka_losses", {}).items():
+            self.matryoshka_losses[dim] = self.matryoshka_losses.get(dim, 0.0) + value
 
     def examples_per_second(self, effective_batch_size):
         return self.steps * effective_batch_size / self.seconds
@@ -1379,21 +1474,34 @@ def batches_from(progress, loader, accelerator, total_steps):
 
 def log_training(accelerator, engine, progress, window, derived, batches_per_epoch, **values):
     """The training metrics of the window, with `values` as train/<name>, to TensorBoard and wandb."""
+
+    def reduced(values, reduction):  # over the processes: one all-reduce
+        tensors = {name: torch.tensor(float(value), dtype=torch.float64, device=accelerator.device)
+                   for name, value in values.items()}  # fmt: skip
+        return {name: value.item() for name, value in accelerator.reduce(tensors, reduction).items()}
+
+    means = {  # per batch; each process's batch counts alike
+        "train/loss": window.loss,
+        "train/in_batch_accuracy": window.in_batch_accuracy,  # anchors whose positive scores highest
+        "train/padding_efficiency": window.padding_efficiency,  # real tokens / padded tokens of the chunks
+    } | {f"train/loss_dim_{dim}": value for dim, value in window.matryoshka_losses.items()}
     metrics = {
         "train/global_step": progress.global_step,
         "train/epoch": progress.epoch + progress.batches_done / batches_per_epoch,
-        "train/loss": accelerator.reduce(window.loss / window.batches, "mean").item(),
+        **reduced({name: value / window.batches for name, value in means.items()}, "mean"),
         "train/effective_batch_size": derived["effective_batch_size"],
         "train/examples_per_second": window.examples_per_second(derived["effective_batch_size"]),
+        "train/tokens_per_second": reduced({"tokens": window.tokens}, "sum")["tokens"] / window.seconds,
         "train/skipped_steps": progress.skipped_steps,
         "train/nonfinite_steps": progress.nonfinite_steps,
     }
     metrics |= {f"train/{name}": value for name, value in values.items()}
-    metrics["memory/rss_gib"] = psutil.Process().memory_info().rss / 2**30
+    memory = {"memory/rss_gib": psutil.Process().memory_info().rss / 2**30}
     if accelerator.device.type == "cuda":  # the peaks since the last log
-        metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated(accelerator.device) / 2**30
-        metrics["memory/max_reserved_gib"] = torch.cuda.max_memory_reserved(accelerator.device) / 2**30
+        memory["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated(accelerator.device) / 2**30
+        memory["memory/max_reserved_gib"] = torch.cuda.max_memory_reserved(accelerator.device) / 2**30
         torch.cuda.reset_peak_memory_stats(accelerator.device)
+    metrics |= reduced(memory, "max")  # the process that needs the most
     if (scale := loss_scale(accelerator, engine)) is not None:
         metrics["train/loss_scale"] = float(scale)
     accelerator.log(metrics, step=progress.global_step)
@@ -1414,12 +1522,13 @@ def stop_agreed(accelerator, signals):
     return accelerator.reduce(flag, "sum").item() > 0
 
 
-def stop_preempted(accelerator, signals, checkpoint):
-    """Exit 0 after the checkpoint: a launcher (accelerate's, torchrun) reports any other code as a crash."""
+def stop_preempted(accelerator, signals, checkpoint, saved):
+    """Exit 0 after the checkpoint: a launcher (accelerate's, torchrun) reports any other code as a crash.
+    Inside a streak of non-finite steps none was saved: `checkpoint` is the last one before it, or None."""
     why = ", ".join(sorted(signals)) or "a signal to another process"
+    where = f"saved {checkpoint}" if saved else f"none saved inside non-finite steps, the last: {checkpoint}"
     accelerator.print(
-        f"stopped by {why}: saved {checkpoint}. Continue with the same command and "
-        "--resume_from_checkpoint latest"
+        f"stopped by {why}: {where}. Continue with the same command and --resume_from_checkpoint latest"
     )
     accelerator.end_training()
     sys.exit(0)
@@ -1453,6 +1562,8 @@ RESUME_KEYS = (
     "seed",
     "cross_process_negatives",  # it orders the batches of all processes together
 )
+# ... or with other weights: a full model's or a LoRA adapter's would not load into this launch's model.
+MODEL_KEYS = ("model", "lora_r", "lora_alpha", "lora_target_modules")
 
 
 def checkpoint_to_resume(args, accelerator):
@@ -1477,27 +1588,57 @@ def checkpoint_to_resume(args, accelerator):
                 f"Pass a step_<N> folder from {checkpoints_dir}, or 'latest'."
             )
     state = json.loads((checkpoint / "trainer_state.json").read_text())
-    changed = [f"--{k} {state['args'][k]}" for k in RESUME_KEYS if state["args"][k] != getattr(args, k)]
-    if changed or state["processes"] != accelerator.num_processes:
-        written = ", ".join(changed or [f"{state['processes']} processes"])
+    saved, processes = state["args"], state["processes"]
+
+    def changed(keys):
+        return [
+            f"--{k} {saved[k]} (this launch: {getattr(args, k)})"
+            for k in keys
+            if saved[k] != getattr(args, k)
+        ]
+
+    data_order = changed(RESUME_KEYS)
+    if processes != accelerator.num_processes:
+        data_order.append(f"{processes} processes (this launch: {accelerator.num_processes})")
+    weights = changed(MODEL_KEYS)
+    if data_order or weights:
+        why = [
+            ("the data order would not continue", data_order),
+            ("its weights are not this model's", weights),
+        ]
         fail(
-            f"{checkpoint} was written with {written}: the data order would not continue. Launch with the "
-            "checkpoint's values, or start a new --output_dir."
+            f"{checkpoint} was written with {', '.join(data_order + weights)}: "
+            f"{' and '.join(reason for reason, changes in why if changes)}. Launch with the checkpoint's "
+            "values, or start a new --output_dir."
         )
     return checkpoint, state
 
 
-def resume_training(accelerator, checkpoint, state, args, scheduler):
-    """Restore model, optimizer, scheduler and RNG states from `checkpoint`; where the run stood."""
+def resume_training(accelerator, checkpoint, state, args, scheduler, total_steps):
+    """Restore model, optimizer, scheduler and RNG states from `checkpoint`; where the run stood.
+
+    The learning rate schedule is this launch's: with another --lr, --max_steps or --epochs than the
+    checkpoint's, the run goes on from the checkpoint's step at the rate the new schedule (warmup and decay
+    over the new total) gives there, as a run launched with these values would have reached it."""
+    if total_steps < state["global_step"]:
+        fail(
+            f"{checkpoint} is at step {state['global_step']}, past this launch's {total_steps} steps "
+            "(--max_steps, or --epochs). Launch with --max_steps of at least that many."
+        )
     accelerator.load_state(str(checkpoint))
     progress = Progress(**{field.name: state[field.name] for field in dataclasses.fields(Progress)})
     accelerator.print(
         f"resumed from {checkpoint}: step {progress.global_step}, epoch {progress.epoch}, "
         f"batch {progress.batches_done}"
     )
-    if args.lr != state["args"]["lr"]:
-        set_peak_learning_rate(scheduler, args.lr)
-        accelerator.print(f"--lr {args.lr} replaces the checkpoint's {state['args']['lr']} from here on")
+    set_peak_learning_rate(scheduler, args.lr)  # load_state restored the checkpoint's schedule
+    if changed := [k for k in ("lr", "max_steps", "epochs") if getattr(args, k) != state["args"][k]]:
+        now = ", ".join(f"--{k} {getattr(args, k)}" for k in changed)
+        was = ", ".join(f"--{k} {state['args'][k]}" for k in changed)
+        accelerator.print(
+            f"{now} instead of the checkpoint's {was}: the learning rate follows the schedule of "
+            f"{total_steps} steps at {args.lr} from here on, {scheduler.get_last_lr()[0]:.3g} at this step"
+        )
     return progress
 
 
@@ -1538,6 +1679,7 @@ def save_checkpoint(accelerator, checkpoints_dir, trainer_state, total_limit):
             for old in complete_checkpoints(checkpoints_dir)[:-total_limit] if total_limit else []:
                 shutil.rmtree(old)  # only once the newer one is complete
         accelerator.wait_for_everyone()
+    return final
 
 
 def flush_to_disk(path):
@@ -1630,8 +1772,8 @@ def smaller_chunk(error, chunking, args, accelerator):
     if not error.agreed and accelerator.num_processes > 1:
         # The other processes wait in a collective this one will never join: end it now, and the launcher
         # (torchrun, DeepSpeed's) stops them. A normal exit could block in the process group's teardown.
-        print(f"train.py: error: {error} Relaunch with --{name} {value // 2}.", file=sys.stderr, flush=True)
-        os._exit(1)
+        print_error(f"train.py: error: {error} Relaunch with --{name} {value // 2}.")
+        os._exit(2)
     if value == 1:
         fail(f"{error} Even one example per chunk does not fit: lower --max_seq_length, or offload (ZeRO-3).")
     if not args.auto_chunk_size:
@@ -1647,4 +1789,10 @@ def smaller_chunk(error, chunking, args, accelerator):
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    try:
+        main(parse_args())
+    except SystemExit as stop:  # fail(): its line, once the progress bar has closed
+        if not isinstance(stop.code, str):
+            raise
+        print_error(stop.code)
+        sys.exit(2)

@@ -321,3 +321,30 @@ def test_distillation_adds_the_kl_to_the_teacher_over_each_group(temperature):
     assert_close(distilled, value_and_gradients(reference, reps))
     loss_fn = functools.partial(gradcache.contrastive_loss, **options)
     assert_close(summed_shares(loss_fn, reps, [(0, 20), (20, 37)]), distilled)  # each process: its rows
+
+
+def test_stats_report_in_batch_accuracy_and_the_loss_of_each_matryoshka_size():
+    """What train.py logs as train/in_batch_accuracy and train/loss_dim_<m>, against whole score matrices."""
+    anchor, positive, negative = make_reps(1)
+    anchor = (anchor + 2 * positive).detach()  # most anchors, not all, rank their own positive first
+    stats, dims = {}, (16, 4)
+    loss = gradcache.contrastive_loss(
+        anchor, positive, negative, tile_size=5, matryoshka_dims=dims, stats=stats, local_rows=slice(3, 20)
+    )
+
+    def accuracy(dim):
+        a, c = (F.normalize(x[:, :dim], dim=-1) for x in (anchor, torch.cat([positive, negative])))
+        return (a @ c.T).argmax(dim=1)[3:20].eq(torch.arange(3, 20)).float().mean().item()
+
+    assert 0.3 < stats["accuracy"] < 1
+    assert stats["accuracy"] == pytest.approx((accuracy(16) + accuracy(4)) / 2)
+    for dim in dims:  # the mean over the rows computed, of the loss of that size alone
+        whole = gradcache.contrastive_loss(anchor[:, :dim], positive[:, :dim], negative[:, :dim])
+        rows = gradcache.contrastive_loss(
+            anchor[:, :dim], positive[:, :dim], negative[:, :dim], local_rows=slice(3, 20)
+        )
+        assert stats["matryoshka_losses"][dim] == pytest.approx(float(rows) * BATCH / 17, rel=1e-5)
+        assert float(whole) != pytest.approx(stats["matryoshka_losses"][dim])
+    assert float(loss) == pytest.approx(
+        sum(float(value) for value in stats["matryoshka_losses"].values()) * 17 / BATCH
+    )

@@ -15,8 +15,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_train import CONFIGS, launch, logged_scalars, weights, zero3_partitioning_everything
+from test_train import CONFIGS, launch, logged_scalars, run_main, weights, zero3_partitioning_everything
 
+import gradcache
 import train
 
 FAULTS = Path(__file__).parent / "faults"
@@ -64,6 +65,8 @@ def test_killed_at_a_checkpoint_the_run_resumes_bit_for_bit(
 
     resumed = launch_with_faults(tmp_path, *args, "--resume_from_checkpoint", "latest")
     assert f"resumed from {tmp_path / 'checkpoints' / expected_latest}:" in resumed.stdout
+    # Steps 3 and 4, logged before the kill and again after the resume from step 2, show once in TensorBoard
+    assert [step for step, _ in logged_scalars(tmp_path)["train/loss"]] == [1, 2, 3, 4, 5, 6]
     resumed, reference = weights(tmp_path / "final"), weights(uninterrupted / "final")
     assert all(torch.equal(resumed[name], reference[name]) for name in reference)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_4", "step_6"]
@@ -190,7 +193,7 @@ def test_every_malformed_record_is_named_or_skipped(tmp_path, capsys, good, kind
 
     with pytest.raises(SystemExit) as stopped:
         train.load_pairs(str(path), max_text_chars=100)
-    message = str(stopped.value.code)
+    message = str(stopped.value)
     assert (
         f"{path}, line {position + 1} " in message and problem in message and "--skip_bad_records" in message
     )
@@ -228,23 +231,50 @@ def test_a_non_finite_step_never_reaches_the_weights(processes, tmp_path, data, 
     final, step_1 = weights(tmp_path / "final"), checkpoint_weights(tmp_path / "checkpoints" / "step_1")
     assert all(torch.equal(final[name], step_1[name]) for name in step_1)
     assert all(torch.isfinite(value).all() for value in final.values())
-    assert dict(logged_scalars(tmp_path)["train/nonfinite_steps"]) == {1: 0, 2: 1, 3: 2}
+    logged = {tag: dict(values) for tag, values in logged_scalars(tmp_path).items()}
+    assert logged["train/nonfinite_steps"] == {1: 0, 2: 1, 3: 2}
+    # a skipped step has no gradient norm: NaN, not the norm of the step before
+    assert math.isfinite(logged["train/grad_norm"][1]) and math.isnan(logged["train/grad_norm"][2])
+    assert math.isnan(logged["train/grad_norm"][3])
     for step in (2, 3):
         assert f"step {step}: loss or gradient not finite, update skipped" in done.stdout + done.stderr
 
 
-def test_steps_non_finite_in_a_row_stop_the_run_naming_the_last_checkpoint(
+def test_steps_non_finite_in_a_row_stop_the_run_naming_the_last_checkpoint_before_them(
     tmp_path, data, model_without_dropout
 ):
-    """Also: --save_total_limit 2 keeps the two newest checkpoints."""
+    """No checkpoint is saved inside the streak (it saved steps 4 and 5, and named step_5 to resume from: into
+    the streak, with the weights that led to it). Also: --save_total_limit 2 keeps the two newest."""
     args = ("--model", model_without_dropout, "--data", data[0], "--max_steps", 6, "--save_steps", 1)
     args += ("--save_total_limit", 2, "--max_bad_steps", 3)
-    done = launch_with_faults(tmp_path, *args, faults={"GRADCACHE_FAULT_NAN": "2,3,4"}, check=False)
+    done = launch_with_faults(tmp_path, *args, faults={"GRADCACHE_FAULT_NAN": "4,5,6"}, check=False)
     assert done.returncode != 0
-    assert "3 steps in a row (through step 4)" in done.stderr
-    assert f"The last checkpoint is {tmp_path / 'checkpoints' / 'step_3'}" in done.stderr
+    step_3 = tmp_path / "checkpoints" / "step_3"
+    assert "3 steps in a row (through step 6)" in done.stderr
+    assert f"The last checkpoint before them is {step_3}: resume from it" in done.stderr
     assert not (tmp_path / "final").exists()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_3"]
+
+
+def test_non_finite_steps_from_the_start_stop_saying_there_is_no_checkpoint(
+    tmp_path, data, model_without_dropout, monkeypatch
+):
+    cache = gradcache.cache_representation_gradients
+
+    def nan_cache(*args):
+        loss, rep_grads = cache(*args)
+        return loss * math.nan, rep_grads
+
+    monkeypatch.setattr(gradcache, "cache_representation_gradients", nan_cache)
+    args = ("--model", model_without_dropout, "--data", data[0], "--output_dir", tmp_path, *RUN)
+    with pytest.raises(SystemExit) as stopped:
+        run_main(monkeypatch, *args, "--max_steps", 4, "--save_steps", 1, "--max_bad_steps", 2)
+    assert str(stopped.value) == (
+        "train.py: error: 2 steps in a row (through step 2) had a loss or gradient that is not finite; "
+        "none of them changed the weights. No checkpoint was saved before them: start again with a lower "
+        "--lr, or check the data of these steps."
+    )
+    assert not (tmp_path / "checkpoints").exists()
 
 
 @pytest.mark.parametrize("processes", [1, 2])

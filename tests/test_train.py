@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -183,12 +184,14 @@ def reference_runs(tmp_path_factory, data, model_without_dropout):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_end_to_end_run_logs_saves_and_resumes_exactly(tmp_path, data, model_with_dropout):
+def test_end_to_end_run_logs_saves_and_resumes_exactly(
+    tmp_path, data, model_with_dropout, monkeypatch, capsys
+):
     # 24 examples are 3 batches an epoch: the checkpoint at step 4 sits one batch into the second epoch.
     common = (
         "--model", model_with_dropout, "--data", data[0], "--dev_data", data[1], "--max_train_examples", 24,
         "--batch_size", 8, "--chunk_size", 3, "--max_steps", 6, "--save_steps", 4, "--eval_steps", 3,
-        "--lr", 1e-3,
+        "--lr", 1e-3, "--matryoshka_dims", "32,16",
     )  # fmt: skip
     straight = launch(CONFIGS / "cpu.yaml", tmp_path / "straight", *common)
 
@@ -203,6 +206,16 @@ def test_end_to_end_run_logs_saves_and_resumes_exactly(tmp_path, data, model_wit
     assert {value for _, value in logged["train/chunk_size"]} == {3}
     for tag in ("train/loss", "train/grad_norm", "train/examples_per_second", "memory/rss_gib"):
         assert all(value > 0 and value < float("inf") for _, value in logged[tag]), tag
+    for tag in ("train/tokens_per_second", "train/loss_dim_32", "train/loss_dim_16"):
+        assert [step for step, value in logged[tag] if 0 < value < float("inf")] == [1, 2, 3, 4, 5, 6], tag
+    for tag in (
+        "train/in_batch_accuracy",
+        "train/padding_efficiency",
+    ):  # fractions (texts of one length here)
+        assert all(0 <= value <= 1 for _, value in logged[tag]), tag
+    (config,) = (tmp_path / "straight" / "tensorboard" / "gradcache").glob("*/hparams.yml")
+    config = yaml.safe_load(config.read_text())  # the values the run used, not the flags' None
+    assert (config["similarity"], config["max_seq_length"], config["chunk_size"]) == ("cos", 32, 3)
     assert max(value for _, value in logged["train/learning_rate"]) == pytest.approx(1e-3)
     (wandb_run,) = (tmp_path / "straight" / "wandb").glob("offline-run-*/run-*.wandb")
     wandb_records = wandb_run.read_bytes()  # protobuf records: metric names are stored as plain text
@@ -217,13 +230,32 @@ def test_end_to_end_run_logs_saves_and_resumes_exactly(tmp_path, data, model_wit
     assert max_difference(final, load_file(checkpoints / "step_4" / "model.safetensors")) > 1e-4
 
     resumed = launch(
-        CONFIGS / "cpu.yaml", tmp_path / "resumed", *common, "--wandb_mode", "disabled",
-        "--resume_from_checkpoint", checkpoints / "step_4",
-    )  # fmt: skip
+        CONFIGS / "cpu.yaml",
+        tmp_path / "resumed",
+        *common,
+        "--resume_from_checkpoint",
+        checkpoints / "step_4",
+    )
     assert "resumed from" in resumed.stdout
+    (wandb_run_id,) = {
+        path.name.rsplit("-", 1)[1] for path in (tmp_path / "straight" / "wandb").glob("offline-*")
+    }
+    assert state["wandb_run_id"] == wandb_run_id  # saved with the checkpoint, and continued from it
+    assert list((tmp_path / "resumed" / "wandb").glob(f"offline-run-*-{wandb_run_id}"))
     assert [step for step, _ in logged_scalars(tmp_path / "resumed")["train/loss"]] == [5, 6]
     resumed_final = weights(tmp_path / "resumed" / "final")
     assert all(torch.equal(final[name], resumed_final[name]) for name in final)
+
+    # A longer --max_steps: the schedule of 8 steps from the start (warmup round(0.8) = 1 step, then linear
+    # decay), continued at step 4. It was the old one's rate at step 5, 0 at step 6, then the new one's.
+    longer = (*common, "--save_steps", 0, "--eval_steps", 0)  # the last value of a flag counts
+    resume_at_4 = ("--resume_from_checkpoint", checkpoints / "step_4")
+    run_main(monkeypatch, *longer, "--max_steps", 8, "--output_dir", tmp_path / "longer", *resume_at_4)
+    assert "--max_steps 8 instead of the checkpoint's --max_steps 6" in capsys.readouterr().out
+    rates = logged_scalars(tmp_path / "longer")["train/learning_rate"]
+    assert rates == [(step, pytest.approx(1e-3 * (8 - (step - 1)) / 7)) for step in (5, 6, 7, 8)]
+    with pytest.raises(SystemExit, match="step_4 is at step 4, past this launch's 3 steps"):
+        run_main(monkeypatch, *longer, "--max_steps", 3, "--output_dir", tmp_path / "shorter", *resume_at_4)
 
 
 def test_two_processes_resume_bit_for_bit_with_logs_evaluation_and_checkpoints_off(
@@ -431,6 +463,10 @@ def test_a_bad_data_file_stops_the_launch_before_training(tmp_path, data, model_
     assert done.returncode != 0
     assert f"{broken}, line 5 is not valid JSON" in done.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+    # One line, then the launcher's own traceback (accelerate's one-process launcher prints it for any
+    # non-zero exit), which names train.py's exit status: 2, a refusal.
+    (line,) = [line for line in done.stderr.splitlines() if "train.py: error:" in line]
+    assert line.startswith("train.py: error:") and "returned non-zero exit status 2." in done.stderr
 
 
 def test_max_grad_norm_0_trains_unclipped_and_logs_the_norm(tmp_path, data, model_without_dropout):
@@ -457,6 +493,8 @@ def test_an_undistributed_multi_process_launch_stops_at_start(tmp_path, data, mo
     assert done.returncode != 0
     assert "launched as 2 processes, but accelerate runs them undistributed" in done.stderr
     assert "ACCELERATE_USE_CPU=true" in done.stderr
+    # torchrun's failure summary, printed last, names the line as the root cause (not "To enable traceback")
+    assert "traceback : train.py: error: launched as 2 processes" in "\n".join(done.stderr.splitlines()[-3:])
     assert not (tmp_path / "final").exists()
 
 
@@ -493,6 +531,11 @@ def test_argument_errors_say_what_to_do(capsys):
         capsys, lambda: train.parse_args(["--save_steps", "-1"]), "--save_steps must be 0 (off) or more"
     )
     assert train.parse_args(["--eval_steps", "0", "--log_steps", "0", "--save_steps", "0"]).save_steps == 0
+    # argparse's own errors too: one line, not the usage of every flag above it
+    with pytest.raises(SystemExit) as stopped:
+        train.parse_args(["--batch_size", "eight"])
+    assert str(stopped.value) == "train.py: error: argument --batch_size: invalid int value: 'eight'"
+    assert capsys.readouterr().err == ""
 
 
 def test_help_shows_every_default(capsys):
@@ -808,8 +851,25 @@ def test_resuming_with_cross_process_negatives_toggled_is_refused(tmp_path, monk
     flags = ["--model", "m", "--data", "x.jsonl", "--cross_process_negatives"]
     state = {"processes": 2, "args": vars(train.parse_args(flags)) | {"cross_process_negatives": False}}
     (tmp_path / "trainer_state.json").write_text(json.dumps(state))
-    with pytest.raises(SystemExit, match="written with --cross_process_negatives False: the data order"):
+    changed = (
+        r"--cross_process_negatives False \(this launch: True\), 2 processes \(this launch: 1\): the data"
+    )
+    with pytest.raises(SystemExit, match=changed):
         run_main(monkeypatch, *flags, "--output_dir", tmp_path / "run", "--resume_from_checkpoint", tmp_path)
+
+
+def test_resuming_with_another_model_or_adapter_is_refused_in_one_line(tmp_path, monkeypatch):
+    """load_state failed on the weights with a state_dict traceback of 89 lines."""
+    flags = ["--model", "m", "--data", "x.jsonl", "--lora_r", "8"]
+    state = {"processes": 1, "args": vars(train.parse_args(flags)) | {"model": "other", "lora_r": 0}}
+    (tmp_path / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(SystemExit) as stopped:
+        run_main(monkeypatch, *flags, "--output_dir", tmp_path / "run", "--resume_from_checkpoint", tmp_path)
+    assert str(stopped.value) == (
+        f"train.py: error: {tmp_path} was written with --model other (this launch: m), --lora_r 0 "
+        "(this launch: 8): its weights are not this model's. Launch with the checkpoint's values, or start a "
+        "new --output_dir."
+    )
 
 
 def test_evaluator_retrieves_each_query_positive_among_distinct_positives():
