@@ -1563,7 +1563,7 @@ RESUME_KEYS = (
     "cross_process_negatives",  # it orders the batches of all processes together
 )
 # ... or with other weights: a full model's or a LoRA adapter's would not load into this launch's model.
-MODEL_KEYS = ("model", "lora_r", "lora_alpha", "lora_target_modules")
+MODEL_KEYS = ("model", "pooling", "lora_r", "lora_alpha", "lora_target_modules")
 
 
 def checkpoint_to_resume(args, accelerator):
@@ -1592,9 +1592,9 @@ def checkpoint_to_resume(args, accelerator):
 
     def changed(keys):
         return [
-            f"--{k} {saved[k]} (this launch: {getattr(args, k)})"
+            f"--{k} {saved.get(k)} (this launch: {getattr(args, k)})"
             for k in keys
-            if saved[k] != getattr(args, k)
+            if saved.get(k) != getattr(args, k)
         ]
 
     data_order = changed(RESUME_KEYS)

@@ -861,14 +861,15 @@ def test_resuming_with_cross_process_negatives_toggled_is_refused(tmp_path, monk
 def test_resuming_with_another_model_or_adapter_is_refused_in_one_line(tmp_path, monkeypatch):
     """load_state failed on the weights with a state_dict traceback of 89 lines."""
     flags = ["--model", "m", "--data", "x.jsonl", "--lora_r", "8"]
-    state = {"processes": 1, "args": vars(train.parse_args(flags)) | {"model": "other", "lora_r": 0}}
+    saved = {"model": "other", "pooling": "cls", "lora_r": 0}
+    state = {"processes": 1, "args": vars(train.parse_args(flags)) | saved}
     (tmp_path / "trainer_state.json").write_text(json.dumps(state))
     with pytest.raises(SystemExit) as stopped:
         run_main(monkeypatch, *flags, "--output_dir", tmp_path / "run", "--resume_from_checkpoint", tmp_path)
     assert str(stopped.value) == (
-        f"train.py: error: {tmp_path} was written with --model other (this launch: m), --lora_r 0 "
-        "(this launch: 8): its weights are not this model's. Launch with the checkpoint's values, or start a "
-        "new --output_dir."
+        f"train.py: error: {tmp_path} was written with --model other (this launch: m), --pooling cls (this "
+        "launch: None), --lora_r 0 (this launch: 8): its weights are not this model's. Launch with the "
+        "checkpoint's values, or start a new --output_dir."
     )
 
 
