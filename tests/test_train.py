@@ -364,7 +364,7 @@ def launch_deepspeed(config, output_dir, *args, processes):
 @pytest.mark.parametrize(
     "config, processes",
     [
-        ("deepspeed_zero1.yaml", 1),
+        # ZeRO-1 in one process: tests/test_configs.py launches its config, test_matrix.py rows train under it
         ("deepspeed_zero1.yaml", 2),  # ZeRO-1 refuses engine.step() inside no_sync: one sync per step
         ("deepspeed_zero2.yaml", 2),
         ("deepspeed_zero3.yaml", 2),
