@@ -38,10 +38,12 @@ save_checkpoint, set_peak_learning_rate, step_with_back_off.
 """
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import functools
 import gzip
+import hashlib
 import importlib.metadata
 import itertools
 import json
@@ -174,6 +176,24 @@ add(
 )
 add("--matryoshka_weights", default="", help="one weight per --matryoshka_dims entry; default 1 each")
 add("--loss_tile_size", type=int, default=None, help="score tile of the tiled loss; default: automatic")
+add(
+    "--mask_repeated_texts",
+    choices=["on", "off"],
+    default="on",
+    help="a candidate repeating one of the anchor's positives (any record's with that anchor) is no negative",
+)
+add(
+    "--false_negative_margin",
+    type=float,
+    default=None,
+    help="mask candidates scoring above the positive's score + M (Qwen3-Embedding: 0.1); default: none",
+)
+add(
+    "--false_negative_margin_strategy",
+    choices=["absolute", "relative"],
+    default="absolute",
+    help="relative: mask above M x the positive's score instead (NV-Retriever: 0.95)",
+)
 # Optimization
 add("--lr", type=float, default=2e-4, help="AdamW peak learning rate")
 add("--weight_decay", type=float, default=0.01, help="AdamW decoupled weight decay")
@@ -278,6 +298,8 @@ def parse_args(argv=None):
     )
     if args.merge_lora and not args.lora_r:
         parser.error("--merge_lora merges a LoRA adapter into the model: add --lora_r, or drop --merge_lora.")
+    if args.false_negative_margin_strategy == "relative" and args.false_negative_margin is None:
+        parser.error("--false_negative_margin_strategy relative needs --false_negative_margin, e.g. 0.95.")
     if args.loss_tile_size is not None and args.loss_tile_size < 1:
         parser.error(f"--loss_tile_size must be at least 1, got {args.loss_tile_size} (omit it: automatic).")
     return args
@@ -771,14 +793,61 @@ def loss_function(args, model):
     )
 
 
-def gradient_cache_step(accelerator, engine, model, prompts, loss_fn, args, batch, chunking):
-    """Gradient Cache on one batch ({column: texts}): accumulates its gradients, returns gradcache's report.
+def text_id(text):
+    """A text's id in the false-negative masks: equal texts, equal ids, on every process and in every run (a
+    hash, where Python's hash() is salted per process); 63 bits, so that it is >= 0 as an int64."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def positives_by_anchor(train_data):
+    """{anchor id: ids of its positives} for the anchors with several positives in the data (a list, or
+    several records): every one of them is a right answer of the anchor, never one of its negatives."""
+    positives = collections.defaultdict(set)
+    for anchor, positive in zip(train_data["anchor"], train_data["positive"], strict=True):
+        positives[text_id(anchor)].update(
+            map(text_id, positive if isinstance(positive, list) else [positive])
+        )
+    return {anchor: sorted(ids) for anchor, ids in positives.items() if len(ids) > 1}
+
+
+def false_negatives(args, accelerator, batch, known_positives):
+    """The batch's gradcache.FalseNegatives as the flags set them, or None. Texts are compared by id; with
+    cross-process negatives every process's ids are gathered (integers, never texts), as the loss scores
+    the global batch. An anchor's other positives (`positives_by_anchor`) are right answers too."""
+    if args.mask_repeated_texts == "off" and args.false_negative_margin is None:
+        return None
+    margin = dict(
+        margin=args.false_negative_margin, relative=args.false_negative_margin_strategy == "relative"
+    )
+    if args.mask_repeated_texts == "off":
+        return gradcache.FalseNegatives(**margin)
+    ids = [[text_id(text) for text in texts] for texts in batch.values()]
+    answers = [(known_positives or {}).get(anchor, []) for anchor in ids[0]]
+    spans_processes = args.cross_process_negatives and accelerator.num_processes > 1
+    width = max(1, *map(len, answers))  # the same on every process, to gather
+    width = gradcache.largest_on_any_process([width])[0] if spans_processes else width
+    others = torch.tensor([ids + [-1] * (width - len(ids)) for ids in answers], device=accelerator.device)
+    ids = [torch.tensor(column_ids, device=accelerator.device) for column_ids in ids]
+    if spans_processes:
+        ids = [torch.cat(gradcache.gather_from_all_processes(column_ids)) for column_ids in ids]
+        others = torch.cat(gradcache.gather_from_all_processes(others))
+    return gradcache.FalseNegatives(ids=ids, other_positives=others, **margin)
+
+
+def gradient_cache_step(
+    accelerator, engine, model, prompts, loss_fn, args, batch, chunking, known_positives=None
+):
+    """Gradient Cache on one batch ({column: texts}): accumulates its gradients, returns gradcache's report,
+    with `stats` added: the share of candidates the false-negative masks took out ("masked_fraction").
 
     Only the token counts of the texts are taken up front (tokenize with padding=False), to sort and budget
     the chunks; each chunk is tokenized as it is encoded, never the batch as a whole. A Router model's engine
-    (Towers) encodes a whole group of chunks per call.
+    (Towers) encodes a whole group of chunks per call. The loss gets the batch's own data here: the ids of
+    its texts for the false-negative masks.
     """
     towers = isinstance(accelerator.unwrap_model(engine), Towers)
+    stats, masks = {}, false_negatives(args, accelerator, batch, known_positives)
+    loss_fn = functools.partial(loss_fn, false_negatives=masks, stats=stats)
 
     def token_counts(column, texts):
         unpadded = tokenize(model, texts, column, prompts, padding=False)
@@ -787,7 +856,7 @@ def gradient_cache_step(accelerator, engine, model, prompts, loss_fn, args, batc
     def chunk_tokenizer(column):
         return lambda texts: send_to_device(tokenize(model, texts, column, prompts), accelerator.device)
 
-    return gradcache.gradcache_step(
+    report = gradcache.gradcache_step(
         None if towers else engine,
         list(batch.values()),
         loss_fn,
@@ -801,6 +870,8 @@ def gradient_cache_step(accelerator, engine, model, prompts, loss_fn, args, batc
         agree_on_out_of_memory=accelerator.distributed_type != DistributedType.DEEPSPEED,
         encode_group=engine if towers else None,
     )
+    report.stats = {"masked_fraction": stats["masked_fraction"]} if masks else {}
+    return report
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -823,7 +894,18 @@ def main(args):
         args, accelerator, model, train_data, skipped_records
     )
     loss_fn = loss_function(args, model)
-    step = functools.partial(gradient_cache_step, accelerator, engine, model, prompts, loss_fn, args)
+    # An anchor's other positives in the data are no negatives of it (--mask_repeated_texts).
+    known_positives = positives_by_anchor(train_data) if args.mask_repeated_texts == "on" else None
+    step = functools.partial(
+        gradient_cache_step,
+        accelerator,
+        engine,
+        model,
+        prompts,
+        loss_fn,
+        args,
+        known_positives=known_positives,
+    )
     fp16 = loss_scale(accelerator, engine) is not None  # the loss is scaled: its scaler skips overflows
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     start_tracking(accelerator, args, derived)
@@ -898,7 +980,7 @@ def main(args):
         if args.log_steps and (progress.global_step % args.log_steps == 0 or last):
             log_training(
                 accelerator, engine, progress, window, derived, len(loader), learning_rate=learning_rate,
-                grad_norm=float("nan") if grad_norm is None else float(grad_norm), **chunking,
+                grad_norm=float("nan") if grad_norm is None else float(grad_norm), **chunking, **report.stats,
             )  # fmt: skip
             window = LogWindow()
         if not last and stop_agreed(accelerator, signals):

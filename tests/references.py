@@ -116,14 +116,16 @@ class StageOneRecorder:
 
 
 def masked_contrastive_loss(anchor, positive, *negatives, scale=20.0, symmetric=False, ids=None, margin=None,
-                            relative=False):  # fmt: skip
+                            relative=False, other_positives=None):  # fmt: skip
     """InfoNCE (cosine) through the full score matrix, with false negatives masked by a direct rule, entry
     by entry: returns (loss, fraction of non-target candidates masked).
 
     Row i's candidate j (never its own target) is masked when its text repeats row i's positive, when it is
     the positive of a row whose anchor repeats row i's anchor, or when its similarity exceeds row i's
-    positive similarity + margin (x margin if relative). The reverse direction (positive i against every
-    anchor j) masks an anchor that repeats anchor i or whose positive repeats positive i, and the same margin.
+    positive similarity + margin (x margin if relative), or when its text is one of `other_positives[i]`
+    (row i's other right answers). The reverse direction (positive i against every anchor j) masks an anchor
+    that repeats anchor i, whose positive repeats positive i, or among whose other positives positive i is,
+    and the same margin.
     """
     columns = [F.normalize(column, dim=-1) for column in (anchor, positive, *negatives)]
     anchor, positive = columns[:2]
@@ -142,11 +144,15 @@ def masked_contrastive_loss(anchor, positive, *negatives, scale=20.0, symmetric=
             margin is not None and similarity > threshold(i)
         )
 
+    others = [[int(i) for i in row] for row in other_positives] if other_positives is not None else None
+
     def forward_duplicate(i, j):
-        return id_of[j] == int(ids[1][i]) or (j < batch and int(ids[0][j]) == int(ids[0][i]))
+        repeated = id_of[j] == int(ids[1][i]) or (j < batch and int(ids[0][j]) == int(ids[0][i]))
+        return repeated or (others is not None and id_of[j] in others[i])
 
     def reverse_duplicate(i, j):
-        return int(ids[0][j]) == int(ids[0][i]) or int(ids[1][j]) == int(ids[1][i])
+        repeated = int(ids[0][j]) == int(ids[0][i]) or int(ids[1][j]) == int(ids[1][i])
+        return repeated or (others is not None and int(ids[1][i]) in others[j])
 
     directions = [(anchor, candidates, forward_duplicate)]
     if symmetric:

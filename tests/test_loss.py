@@ -282,6 +282,35 @@ def test_false_negatives_masked_tile_by_tile_equal_the_masked_matrix(by, symmetr
     assert abs(float(tiled[0] - unmasked[0])) > 1e-3  # and masking changes the loss
 
 
+@pytest.mark.parametrize("symmetric", [False, True], ids=["one-way", "symmetric"])
+def test_an_anchors_other_positives_are_masked_too(symmetric):
+    """Texts that are right answers of a row's anchor without being its positive in this batch (another of
+    its positives in the data) leave the row's softmax; -1 fills the rows with fewer."""
+    reps, ids = [rep.detach() for rep in make_reps(2)], duplicated_ids(2)
+    others = torch.full((BATCH, 3), -1)
+    others[0, :2] = torch.stack([ids[2][5], ids[3][9]])  # hard negatives of other rows
+    others[7, 0], others[8, 2] = ids[1][20], ids[1][7]  # positives of other rows, one of them 7's own
+    # Right answers look like it: each close to the anchor that it answers, so its softmax weight counts.
+    reps[2][5], reps[3][9], reps[1][20], reps[1][7] = reps[0][0], reps[0][0], reps[0][7], reps[0][8]
+    reps = [rep.requires_grad_() for rep in reps]
+    spec = gradcache.FalseNegatives(ids=ids, other_positives=others)
+    stats = {}
+    loss_fn = functools.partial(gradcache.contrastive_loss, symmetric=symmetric, tile_size=5)
+    tiled = value_and_gradients(loss_fn, reps, false_negatives=spec, stats=stats)
+    fractions = {}
+
+    def reference(*columns):
+        loss, fractions["reference"] = masked_contrastive_loss(
+            *columns, symmetric=symmetric, ids=ids, other_positives=others.tolist()
+        )
+        return loss
+
+    assert_close(tiled, value_and_gradients(reference, reps))
+    assert stats["masked_fraction"] == pytest.approx(fractions["reference"], abs=1e-12)
+    without_others = value_and_gradients(loss_fn, reps, false_negatives=gradcache.FalseNegatives(ids=ids))
+    assert relative_gradient_difference(tiled[1], without_others[1]) > 1e-3  # they leave the softmax
+
+
 def test_masked_local_rows_sum_to_the_whole_masked_loss():
     """Across processes each computes its own rows against every candidate: ids and thresholds are global."""
     reps = reps_with_near_duplicates(1)
