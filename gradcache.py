@@ -1024,16 +1024,22 @@ class FalseNegatives:
     margin:   mask candidates whose similarity exceeds the row's positive similarity + margin (absolute,
               Qwen3-Embedding's 0.1), or `margin` x it (`relative`: NV-Retriever's 0.95). The threshold is
               detached: it chooses the mask, it is not trained.
+    guide:    a frozen guide model's representations of every column (GIST): a candidate that the guide
+              scores (cosine) above its score of the row's positive + `guide_margin` is masked. The guide
+              sees what the student may not yet: its scores choose the mask, nothing trains them.
     """
 
     ids: Sequence | None = None
     margin: float | None = None
     relative: bool = False
     other_positives: torch.Tensor | None = None
+    guide: Sequence | None = None
+    guide_margin: float = 0.0
 
     def tile_masks(self, anchor, positive, num_negatives, rows, scale):
         """The masks of the two directions: anchors against candidates, positives against anchors."""
         query_ids = key_ids = reverse_query_ids = reverse_key_ids = thresholds = None
+        guided = reverse_guided = None
         if self.ids is not None:
             anchor_ids, positive_ids, *negative_ids = self.column_ids(anchor.device)
             if len(negative_ids) != num_negatives or any(len(i) != len(anchor) for i in self.ids):
@@ -1049,9 +1055,18 @@ class FalseNegatives:
             with torch.no_grad():
                 positive_similarity = (anchor[rows] * positive[rows]).sum(dim=-1)
                 thresholds = self.threshold(positive_similarity) * scale  # tiles hold scaled scores
-        return TileMask(query_ids, key_ids, thresholds), TileMask(
-            reverse_query_ids, reverse_key_ids, thresholds
+        if self.guide is not None:
+            guide_anchor, guide_positive, *guide_negatives = self.guide_columns(anchor.device)
+            guide_thresholds = (guide_anchor[rows] * guide_positive[rows]).sum(-1) + self.guide_margin
+            guide_candidates = torch.cat([guide_positive, *guide_negatives])
+            guided = GuideScores(guide_anchor[rows], guide_candidates, guide_thresholds)
+            reverse_guided = GuideScores(guide_positive[rows], guide_anchor, guide_thresholds)
+        return TileMask(query_ids, key_ids, thresholds, guided), TileMask(
+            reverse_query_ids, reverse_key_ids, thresholds, reverse_guided
         )
+
+    def guide_columns(self, device):
+        return [F.normalize(torch.as_tensor(g, device=device).float(), dim=-1) for g in self.guide]
 
     def group_mask(self, similarities, rows):
         """Which hard negatives leave their row's group (`group_loss`): rows x k, from the rows' similarities
@@ -1067,6 +1082,11 @@ class FalseNegatives:
         if self.margin is not None:
             with torch.no_grad():
                 mask |= similarities[:, 1:] > self.threshold(similarities[:, :1])
+        if self.guide is not None:
+            rows = torch.as_tensor(rows, device=similarities.device)
+            guide_anchor, *guide_group = [g[rows] for g in self.guide_columns(similarities.device)]
+            guide_scores = torch.stack([(guide_anchor * g).sum(-1) for g in guide_group], dim=1)
+            mask |= guide_scores[:, 1:] > guide_scores[:, :1] + self.guide_margin
         return mask
 
     def column_ids(self, device):
@@ -1093,6 +1113,7 @@ class TileMask:
     query_ids: torch.Tensor | None  # per query row: (its own id, the ids of its right answers...)
     key_ids: torch.Tensor | None  # per key: (its id, the ids of the texts it answers..., or -1)
     thresholds: torch.Tensor | None  # per query row, in scaled scores
+    guided: "GuideScores | None" = None
     masked: torch.Tensor | int = 0  # counted in forward
     seen: int = 0
 
@@ -1107,8 +1128,20 @@ class TileMask:
                 mask |= answered[None, :] == queries[:, 0, None]
         if self.thresholds is not None:
             mask |= scores > self.thresholds[rows, None]
+        if self.guided is not None:
+            guide = self.guided
+            mask |= guide.queries[rows] @ guide.keys[columns].T > guide.thresholds[rows, None]
         mask[local, targets] = False
         return mask
+
+
+class GuideScores(typing.NamedTuple):
+    """A guide model's normalized representations of a tile mask's queries and keys, and per query row the
+    score above which a key is masked."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    thresholds: torch.Tensor
 
 
 def check_matryoshka(dims, weights, width):

@@ -167,6 +167,13 @@ add("--auto_chunk_size", action="store_true", help="on out-of-memory, halve the 
 add("--cross_process_negatives", action="store_true", help="contrast with the batches of all processes")
 # Loss
 add("--scale", type=float, default=20.0, help="inverse temperature of the cosine similarities")
+add(
+    "--in_batch_negatives",
+    choices=["on", "off"],
+    default="on",
+    help="off: each anchor against its own positive and hard negatives only; chunks are then back-propagated "
+    "directly, without the cache's second forward",
+)
 add("--symmetric", action="store_true", help="add the positive -> anchor direction to the loss")
 add(
     "--matryoshka_dims",
@@ -176,6 +183,13 @@ add(
 )
 add("--matryoshka_weights", default="", help="one weight per --matryoshka_dims entry; default 1 each")
 add("--loss_tile_size", type=int, default=None, help="score tile of the tiled loss; default: automatic")
+add(
+    "--distill_weight",
+    type=float,
+    default=0.0,
+    help="add W x the KL divergence to a teacher's scores (fields pos_scores, neg_scores); default 0: off",
+)
+add("--distill_temperature", type=float, default=1.0, help="of the teacher's and the student's softmax")
 add(
     "--mask_repeated_texts",
     choices=["on", "off"],
@@ -188,6 +202,13 @@ add(
     default=None,
     help="mask candidates scoring above the positive's score + M (Qwen3-Embedding: 0.1); default: none",
 )
+add(
+    "--guide_model",
+    default=None,
+    help="a frozen sentence-transformers model (GIST): candidates it scores above its score of the positive "
+    "(+ --guide_margin) are masked; default: none",
+)
+add("--guide_margin", type=float, default=0.0, help="added to the guide's positive score, its threshold")
 add(
     "--false_negative_margin_strategy",
     choices=["absolute", "relative"],
@@ -300,6 +321,14 @@ def parse_args(argv=None):
         parser.error("--merge_lora merges a LoRA adapter into the model: add --lora_r, or drop --merge_lora.")
     if args.false_negative_margin_strategy == "relative" and args.false_negative_margin is None:
         parser.error("--false_negative_margin_strategy relative needs --false_negative_margin, e.g. 0.95.")
+    if args.in_batch_negatives == "off" and (args.symmetric or args.cross_process_negatives):
+        parser.error(
+            "--in_batch_negatives off scores each anchor against its own group only: --symmetric (positives "
+            "against the batch's anchors) and --cross_process_negatives (other processes' candidates) need "
+            "in-batch negatives. Drop them, or keep in-batch negatives."
+        )
+    if not (args.distill_weight >= 0 and args.distill_temperature > 0):
+        parser.error("--distill_weight must be 0 (off) or more, and --distill_temperature more than 0.")
     if args.loss_tile_size is not None and args.loss_tile_size < 1:
         parser.error(f"--loss_tile_size must be at least 1, got {args.loss_tile_size} (omit it: automatic).")
     return args
@@ -351,7 +380,7 @@ def load_data(args, accelerator):
     """(training pairs, dev pairs or None, bad records skipped), as main trains and evaluates on them."""
     with accelerator.main_process_first():  # the first process fills datasets' cache, the others read it
         checks = (args.columns, args.skip_bad_records, args.max_text_chars)
-        train_data, skipped_records = load_pairs(args.data, *checks)
+        train_data, skipped_records = load_pairs(args.data, *checks, teacher_scores=args.distill_weight > 0)
         dev_data = load_pairs(args.dev_data, *checks)[0] if args.dev_data else None
     if 0 < args.max_train_examples < len(train_data):
         train_data = train_data.shuffle(seed=args.seed).select(range(args.max_train_examples))
@@ -367,10 +396,10 @@ def negatives_per_example(args, processes, train_data):
     """The wrong candidates each anchor is scored against: (batch x (1 + hard negatives)) - 1, the batch
     that of all processes with --cross_process_negatives."""
     contrasted = args.batch_size * (processes if args.cross_process_negatives else 1)
-    return contrasted * (len(train_data.column_names) - 1) - 1
+    return contrasted * (len(text_columns(train_data.column_names)) - 1) - 1
 
 
-def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000):
+def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000, teacher_scores=False):
     """(datasets.Dataset, number of records skipped) from `source`: a .jsonl, .json (JSON lines or one array
     of records), .csv or .parquet file, optionally .gz, or a hub data set name[:split]. `columns` maps fields
     to roles as --columns does.
@@ -378,13 +407,15 @@ def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000
     The data set's columns: anchor, positive, then negative_1, negative_2... A list of positives stays a
     list (PositiveDraws picks one per epoch); the negatives fields, texts or lists, line up as negative_1,
     negative_2... Every record is checked first: a bad one stops the run, naming its place and problem, or
-    with `skip_bad_records` is left out and counted.
+    with `skip_bad_records` is left out and counted. With `teacher_scores`, each record's scores of its
+    positives and negatives (`read_teacher_scores`) become the columns positive_scores and negative_scores.
     """
     fields, examples, skipped = None, [], []
     for place, record in read_records(source, columns):
         if isinstance(record, dict):  # else it says, in words, what is wrong with the record
             fields = fields or role_fields(columns, available=record)  # negatives: the first record's
-            record = read_example(record, fields, max_text_chars)
+            example = read_example(record, fields, max_text_chars)
+            record = read_teacher_scores(record, example, columns) if teacher_scores else example
         if isinstance(record, dict):
             examples.append(record)
         elif skip_bad_records:
@@ -408,6 +439,9 @@ def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000
             "(every row of a batch needs as many). Drop the short records to keep more."
         )
     table |= {f"negative_{i + 1}": [texts[i] for texts in negatives] for i in range(count)}
+    if teacher_scores:
+        table["positive_scores"] = [example["positive_scores"] for example in examples]
+        table["negative_scores"] = [example["negative_scores"][:count] for example in examples]
     return datasets.Dataset.from_dict(table), len(skipped)
 
 
@@ -426,6 +460,8 @@ def role_fields(columns, available):
     named = {}
     for item in filter(None, columns.split(",")):
         role, _, fields = (part.strip() for part in item.partition("="))
+        if role in SCORE_FIELDS:  # read by read_teacher_scores
+            continue
         if role not in (*DEFAULT_FIELDS, "negatives") or not (fields or role == "negatives"):
             parser.error(
                 f"--columns: cannot read {item!r}; write role=field with roles anchor, positive, negatives "
@@ -442,6 +478,46 @@ def role_fields(columns, available):
     else:
         negatives = sorted(field for field in available if NEGATIVE_FIELD.fullmatch(field))
     return pairs + [("negative", field) for field in negatives]
+
+
+# A teacher's scores (FlagEmbedding's fields): one per positive and one per negative, a number or a list.
+SCORE_FIELDS = ("pos_scores", "neg_scores")
+SCORE_COLUMNS = ("positive_scores", "negative_scores", "teacher_scores")
+
+
+def read_teacher_scores(record, example, columns):
+    """`example` with its teacher's scores, positive_scores and negative_scores, from the record's
+    pos_scores and neg_scores (or the fields --columns maps them to: pos_scores=f, neg_scores=f1+f2), one
+    number per positive and per negative, in their order; or what is wrong, in words."""
+    if not isinstance(example, dict):
+        return example
+    named = {}
+    for item in filter(None, columns.split(",")):
+        role, _, fields = (part.strip() for part in item.partition("="))
+        named[role] = fields
+    for column, field, texts in (
+        ("positive_scores", "pos_scores", "positive"),
+        ("negative_scores", "neg_scores", "negative"),
+    ):
+        scores = []
+        for name in named.get(field, field).split("+"):
+            if name not in record and example[texts]:
+                return f"has no field {name!r} (teacher scores, for --distill_weight), only {sorted(record)}"
+            value = record.get(name, [])
+            for score in value if isinstance(value, list) else [value]:
+                try:
+                    scores.append(float(score))
+                except (TypeError, ValueError):
+                    return f"has field {name!r} = {str(score)[:40]!r}, not a score (a number)"
+        if len(scores) != len(example[texts]):
+            return f"has {len(scores)} {field} for {len(example[texts])} {texts}s: give one score per text"
+        example[column] = scores
+    return example
+
+
+def text_columns(column_names):
+    """The columns of texts, in order (anchor, positive, negatives), without the teacher's scores."""
+    return [column for column in column_names if column not in SCORE_COLUMNS]
 
 
 def read_example(record, fields, max_chars):
@@ -584,13 +660,14 @@ class NoDuplicatesOrder(torch.utils.data.Sampler):
 
     def __init__(self, dataset, batch_size, seed, group=1):
         self.examples = PositiveDraws(dataset, seed)  # what the DataLoader reads: one positive per example
+        self.texts = PositiveDraws(dataset, seed, texts_only=True)  # what the sampler compares: no scores
         self.batches = NoDuplicatesBatchSampler(
-            self.examples, batch_size * group, True, generator=torch.Generator(), seed=seed
+            self.texts, batch_size * group, True, generator=torch.Generator(), seed=seed
         )
         self.batch_size = batch_size * group
 
     def set_epoch(self, epoch):  # called by accelerate's DataLoaderShard.set_epoch
-        self.examples.epoch = epoch
+        self.examples.epoch = self.texts.epoch = epoch
         self.batches.set_epoch(epoch)
 
     def __iter__(self):
@@ -602,20 +679,26 @@ class NoDuplicatesOrder(torch.utils.data.Sampler):
 
 class PositiveDraws(torch.utils.data.Dataset):
     """The examples, each with one of its positives when it has a list of them: drawn anew each epoch from
-    (seed, epoch, example), so a resumed run draws what the uninterrupted one drew."""
+    (seed, epoch, example), so a resumed run draws what the uninterrupted one drew. With a teacher's scores,
+    the drawn positive's and the negatives' become `teacher_scores` (left out with `texts_only`)."""
 
-    def __init__(self, dataset, seed):
-        self.dataset, self.seed, self.epoch = dataset, seed, 0
+    def __init__(self, dataset, seed, texts_only=False):
+        self.dataset, self.seed, self.epoch, self.texts_only = dataset, seed, 0, texts_only
         self.column_names = dataset.column_names
 
     def __len__(self):
         return len(self.dataset)
 
     def __getitem__(self, index):
-        example = self.dataset[index]
+        example, drawn = self.dataset[index], 0
         if isinstance(example["positive"], list):
             draw = random.Random(f"{self.seed}:{self.epoch}:{index}")
-            example["positive"] = draw.choice(example["positive"])
+            drawn = draw.randrange(len(example["positive"]))  # what draw.choice draws
+            example["positive"] = example["positive"][drawn]
+        if "positive_scores" in example:
+            scores = [example.pop("positive_scores")[drawn], *example.pop("negative_scores")]
+            if not self.texts_only:
+                example["teacher_scores"] = scores
         return example
 
 
@@ -757,6 +840,8 @@ class Towers(torch.nn.Module):
     ZeRO-3 needs). DDP with find_unused_parameters reads the parameters a backward will reach from the output
     of the forward before it: one call per column would leave the query tower "unused" after the document
     call, then find its gradients too ("marked as ready twice"). One call for the group keeps one all-reduce.
+    With --in_batch_negatives off any model is wrapped so: a chunk of rows encodes every column, then one
+    backward, and DDP allows one forward per backward.
     """
 
     def __init__(self, model, column_names):
@@ -780,16 +865,24 @@ def is_router(model):
 
 
 def loss_function(args, model):
-    """The contrastive loss of stage 2 as the flags set it (a partial of gradcache.contrastive_loss), scored
-    by the model's similarity. A new loss term belongs here: gradcache calls it on the whole batch."""
+    """The contrastive loss as the flags set it, scored by the model's similarity: a partial of
+    gradcache.contrastive_loss, which stage 2 calls on the whole batch, or with --in_batch_negatives off of
+    gradcache.group_loss, which group_step calls on each chunk. A new loss term belongs here."""
+    if args.in_batch_negatives == "off":
+        in_batch = {}  # no other rows' candidates: no tiles, no symmetric direction
+        loss = gradcache.group_loss
+    else:
+        in_batch = dict(symmetric=args.symmetric, tile_size=args.loss_tile_size)
+        loss = gradcache.contrastive_loss
     return functools.partial(
-        gradcache.contrastive_loss,
+        loss,
         scale=args.scale,
         similarity="dot" if model.similarity_fn_name == "dot" else "cos",
-        symmetric=args.symmetric,
-        tile_size=args.loss_tile_size,
+        **in_batch,
         matryoshka_dims=args.matryoshka_dims,
         matryoshka_weights=args.matryoshka_weights,
+        distill_weight=args.distill_weight,
+        distill_temperature=args.distill_temperature,
     )
 
 
@@ -810,32 +903,74 @@ def positives_by_anchor(train_data):
     return {anchor: sorted(ids) for anchor, ids in positives.items() if len(ids) > 1}
 
 
-def false_negatives(args, accelerator, batch, known_positives):
+def load_guide(args, accelerator):
+    """The --guide_model, frozen, on every process whole: never partitioned by ZeRO-3 (nothing trains it)."""
+    if not args.guide_model:
+        return None
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    plugin = accelerator.state.deepspeed_plugin if deepspeed else None
+    with plugin.zero3_init_context_manager(enable=False) if plugin else contextlib.nullcontext():
+        guide = load_model(args.guide_model, str(accelerator.device))
+    return guide.eval().requires_grad_(False)
+
+
+def guide_representations(args, guide, batch, gather):
+    """The guide's representations of every column of the batch, chunk by chunk without gradients, with its
+    own tokenizer and prompts (anchors as its queries, the others as its documents)."""
+    encode = dict(batch_size=args.chunk_size or 32, convert_to_tensor=True, show_progress_bar=False)
+    with torch.no_grad():
+        return [
+            gather(
+                (guide.encode_query if column == "anchor" else guide.encode_document)(texts, **encode).float()
+            )
+            for column, texts in batch.items()
+        ]
+
+
+def false_negatives(args, accelerator, batch, known_positives, guide=None):
     """The batch's gradcache.FalseNegatives as the flags set them, or None. Texts are compared by id; with
     cross-process negatives every process's ids are gathered (integers, never texts), as the loss scores
     the global batch. An anchor's other positives (`positives_by_anchor`) are right answers too."""
-    if args.mask_repeated_texts == "off" and args.false_negative_margin is None:
+    if args.mask_repeated_texts == "off" and args.false_negative_margin is None and guide is None:
         return None
-    margin = dict(
+    spans_processes = args.cross_process_negatives and accelerator.num_processes > 1
+
+    def gather(local):
+        return torch.cat(gradcache.gather_from_all_processes(local)) if spans_processes else local
+
+    options = dict(
         margin=args.false_negative_margin, relative=args.false_negative_margin_strategy == "relative"
     )
+    if guide is not None:
+        options |= dict(
+            guide=guide_representations(args, guide, batch, gather), guide_margin=args.guide_margin
+        )
     if args.mask_repeated_texts == "off":
-        return gradcache.FalseNegatives(**margin)
+        return gradcache.FalseNegatives(**options)
     ids = [[text_id(text) for text in texts] for texts in batch.values()]
     answers = [(known_positives or {}).get(anchor, []) for anchor in ids[0]]
-    spans_processes = args.cross_process_negatives and accelerator.num_processes > 1
     width = max(1, *map(len, answers))  # the same on every process, to gather
     width = gradcache.largest_on_any_process([width])[0] if spans_processes else width
     others = torch.tensor([ids + [-1] * (width - len(ids)) for ids in answers], device=accelerator.device)
-    ids = [torch.tensor(column_ids, device=accelerator.device) for column_ids in ids]
-    if spans_processes:
-        ids = [torch.cat(gradcache.gather_from_all_processes(column_ids)) for column_ids in ids]
-        others = torch.cat(gradcache.gather_from_all_processes(others))
-    return gradcache.FalseNegatives(ids=ids, other_positives=others, **margin)
+    ids = [gather(torch.tensor(column_ids, device=accelerator.device)) for column_ids in ids]
+    return gradcache.FalseNegatives(ids=ids, other_positives=gather(others), **options)
+
+
+def teacher_scores(args, accelerator, batch):
+    """The batch's teacher scores, rows x (positive, negatives), or None without --distill_weight; with
+    cross-process negatives every process's rows, as the loss scores the global batch."""
+    if not args.distill_weight:
+        return None
+    scores = batch["teacher_scores"]  # collated: one tensor per place in the group, or rows x group
+    scores = torch.stack(list(scores), dim=1) if isinstance(scores, list) else scores
+    scores = scores.to(accelerator.device, torch.float32)
+    if args.cross_process_negatives and accelerator.num_processes > 1:
+        scores = torch.cat(gradcache.gather_from_all_processes(scores))
+    return scores
 
 
 def gradient_cache_step(
-    accelerator, engine, model, prompts, loss_fn, args, batch, chunking, known_positives=None
+    accelerator, engine, model, prompts, loss_fn, args, batch, chunking, known_positives=None, guide=None
 ):
     """Gradient Cache on one batch ({column: texts}): accumulates its gradients, returns gradcache's report,
     with `stats` added: the share of candidates the false-negative masks took out ("masked_fraction").
@@ -843,11 +978,14 @@ def gradient_cache_step(
     Only the token counts of the texts are taken up front (tokenize with padding=False), to sort and budget
     the chunks; each chunk is tokenized as it is encoded, never the batch as a whole. A Router model's engine
     (Towers) encodes a whole group of chunks per call. The loss gets the batch's own data here: the ids of
-    its texts for the false-negative masks.
+    its texts and the guide's representations of them for the false-negative masks, and the teacher's scores
+    to distil.
     """
     towers = isinstance(accelerator.unwrap_model(engine), Towers)
-    stats, masks = {}, false_negatives(args, accelerator, batch, known_positives)
-    loss_fn = functools.partial(loss_fn, false_negatives=masks, stats=stats)
+    teacher = teacher_scores(args, accelerator, batch)
+    batch = {column: batch[column] for column in text_columns(batch)}
+    stats, masks = {}, false_negatives(args, accelerator, batch, known_positives, guide)
+    loss_fn = functools.partial(loss_fn, false_negatives=masks, stats=stats, teacher_scores=teacher)
 
     def token_counts(column, texts):
         unpadded = tokenize(model, texts, column, prompts, padding=False)
@@ -856,7 +994,10 @@ def gradient_cache_step(
     def chunk_tokenizer(column):
         return lambda texts: send_to_device(tokenize(model, texts, column, prompts), accelerator.device)
 
-    report = gradcache.gradcache_step(
+    # Without in-batch negatives the loss splits per row: each chunk of rows is back-propagated directly.
+    in_batch = args.in_batch_negatives == "on"
+    step = gradcache.gradcache_step if in_batch else gradcache.group_step
+    report = step(
         None if towers else engine,
         list(batch.values()),
         loss_fn,
@@ -865,10 +1006,10 @@ def gradient_cache_step(
         select=[gradcache.tokenize_per_chunk(chunk_tokenizer(column)) for column in batch],
         backward=accelerator.backward,
         sync_context=gradcache.accelerate_sync_context(accelerator, engine),
-        cross_process_negatives=args.cross_process_negatives,
         # DeepSpeed's passes are collectives themselves: a process that runs out of memory cannot agree.
         agree_on_out_of_memory=accelerator.distributed_type != DistributedType.DEEPSPEED,
         encode_group=engine if towers else None,
+        **({"cross_process_negatives": args.cross_process_negatives} if in_batch else {}),
     )
     report.stats = {"masked_fraction": stats["masked_fraction"]} if masks else {}
     return report
@@ -896,6 +1037,7 @@ def main(args):
     loss_fn = loss_function(args, model)
     # An anchor's other positives in the data are no negatives of it (--mask_repeated_texts).
     known_positives = positives_by_anchor(train_data) if args.mask_repeated_texts == "on" else None
+    guide = load_guide(args, accelerator)  # --guide_model: its scores mask false negatives
     step = functools.partial(
         gradient_cache_step,
         accelerator,
@@ -905,6 +1047,7 @@ def main(args):
         loss_fn,
         args,
         known_positives=known_positives,
+        guide=guide,
     )
     fp16 = loss_scale(accelerator, engine) is not None  # the loss is scaled: its scaler skips overflows
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
@@ -1077,8 +1220,10 @@ def prepare_training(args, accelerator, model, train_data, skipped_records):
     them, and the learning rate schedule."""
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapter only
     adamw = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
-    # A Router model's engine encodes a whole group of chunks per call.
-    trained = Towers(model, train_data.column_names) if is_router(model) else model
+    # A Router model's engine encodes a whole group of chunks per call; so does any model's without in-batch
+    # negatives, whose chunks of rows encode every column before one backward.
+    grouped = is_router(model) or args.in_batch_negatives == "off"
+    trained = Towers(model, text_columns(train_data.column_names)) if grouped else model
     loader = make_loader(train_data, args, accelerator.num_processes)
     engine, optimizer, loader = accelerator.prepare(trained, adamw, loader)
     derived = derive_numbers(args, accelerator, loader, train_data, skipped_records)
