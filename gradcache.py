@@ -31,7 +31,8 @@ fixed number of examples (`chunk_size`) or as many as fit in a budget of padded 
 so that peak memory follows the budget whatever the texts; columns of raw texts are tokenized chunk by
 chunk (`tokenize_per_chunk`), never padded as a whole batch. With several processes, all of them agree
 on one plan before stage 1 (`plan_step`): ZeRO-2 and ZeRO-3 communicate in every pass, so every process
-must run the same passes, whatever its texts.
+must run the same passes, whatever its texts. Without in-batch negatives the loss is a sum of per-row
+terms and needs no cache: `group_step` back-propagates each chunk of rows as it is encoded.
 
 Two guards keep a long run safe. A loss or representation gradient that is not finite is found after
 stage 2, before any backward: nothing is back-propagated and the report says `skipped`, so the trainer

@@ -34,7 +34,8 @@ The file reads top to bottom: the flags, the data, the model, the step, then mai
 loop with the optimizer step), and two appendices: checkpoints, and the out-of-memory back-off. Imported
 by tests/ and bench/, so kept as they are: parse_args, main, load_pairs, make_loader, build_evaluator,
 load_model, prepare_model, role_prompts, tokenize, Towers, is_router, loss_function, gradient_cache_step,
-save_checkpoint, set_peak_learning_rate, step_with_back_off.
+save_checkpoint, set_peak_learning_rate, step_with_back_off; and for issue 18's tools text_id,
+positives_by_anchor, load_guide, PositiveDraws, text_columns.
 """
 
 import argparse
@@ -394,9 +395,13 @@ def load_data(args, accelerator):
 
 def negatives_per_example(args, processes, train_data):
     """The wrong candidates each anchor is scored against: (batch x (1 + hard negatives)) - 1, the batch
-    that of all processes with --cross_process_negatives."""
+    that of all processes with --cross_process_negatives; its hard negatives alone with --in_batch_negatives
+    off."""
+    group = len(text_columns(train_data.column_names)) - 1  # the positive and the hard negatives
+    if args.in_batch_negatives == "off":
+        return group - 1
     contrasted = args.batch_size * (processes if args.cross_process_negatives else 1)
-    return contrasted * (len(text_columns(train_data.column_names)) - 1) - 1
+    return contrasted * group - 1
 
 
 def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000, teacher_scores=False):
@@ -904,13 +909,19 @@ def positives_by_anchor(train_data):
 
 
 def load_guide(args, accelerator):
-    """The --guide_model, frozen, on every process whole: never partitioned by ZeRO-3 (nothing trains it)."""
+    """The --guide_model, frozen, whole on every process: under ZeRO-3 transformers would load it partitioned
+    (its DeepSpeed config, which accelerate registers, says stage 3), and nothing would gather it."""
     if not args.guide_model:
         return None
-    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-    plugin = accelerator.state.deepspeed_plugin if deepspeed else None
-    with plugin.zero3_init_context_manager(enable=False) if plugin else contextlib.nullcontext():
+    from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
         guide = load_model(args.guide_model, str(accelerator.device))
+    finally:
+        plugin = accelerator.state.deepspeed_plugin
+        if plugin is not None and getattr(plugin, "dschf", None) is not None:
+            set_hf_deepspeed_config(plugin.dschf)  # as accelerate left it
     return guide.eval().requires_grad_(False)
 
 

@@ -30,6 +30,7 @@ CHUNK_SIZE = 3  # divides no batch: the last chunk of every column is short
 CHUNK_TOKENS = 30  # two or three texts of 2-13 words: processes plan different numbers of chunks
 MATRYOSHKA_DIMS = (32, 16, 8)  # the tiny models are 32-dimensional
 FALSE_NEGATIVE_MARGIN = 0.04  # masks a few percent of the candidates of these untrained models
+GUIDE = {"model": "shared", "margin": 0.04}  # "masked" rows: a frozen guide model masks too (GIST)
 DISTILLATION = {"weight": 0.5, "temperature": 2.0}
 COLUMNS = ("anchor", "positive", "negative_1")
 WORDS = [f"w{i}" for i in range(60)]
@@ -46,7 +47,7 @@ class Row:
     adapter: str  # "none", "lora", "checkpointing"
     cross: bool  # --cross_process_negatives
     negatives: str  # "in-batch", "group" (--in_batch_negatives off)
-    extra: str  # "none", "masked" (repeated texts and a margin), "distilled" (teacher scores)
+    extra: str  # "none", "masked" (repeated texts, a margin and a guide model), "distilled" (teacher scores)
     tolerance: float = 1e-5  # max relative difference, losses and weight updates (fp32)
 
     @property
@@ -66,8 +67,8 @@ class Row:
         return "-".join(parts)
 
 
-def flags(row, model_folder):
-    """The command-line flags of train.py that the row stands for."""
+def flags(row, model_folder, guide_folder=None):
+    """The command-line flags of train.py that the row stands for (a "masked" row's guide: `guide_folder`)."""
     chosen = ["--model", str(model_folder), "--data", "unused.jsonl", "--batch_size", 64]
     chosen += ["--chunk_tokens", CHUNK_TOKENS] if row.chunking == "tokens" else ["--chunk_size", CHUNK_SIZE]
     chosen += {"symmetric": ["--symmetric"], "one-way": []}.get(row.loss, [])
@@ -79,6 +80,8 @@ def flags(row, model_folder):
     chosen += ["--cross_process_negatives"] if row.cross else []
     chosen += ["--in_batch_negatives", "off"] if row.negatives == "group" else []
     chosen += ["--false_negative_margin", FALSE_NEGATIVE_MARGIN] if row.extra == "masked" else []
+    if row.extra == "masked" and guide_folder:
+        chosen += ["--guide_model", guide_folder, "--guide_margin", GUIDE["margin"]]
     if row.extra == "distilled":
         chosen += [
             "--distill_weight",
@@ -153,11 +156,11 @@ def shard(batch, row, rank):
     }
 
 
-def load_prepared(row, model_folder, device="cpu"):
+def load_prepared(row, model_folder, device="cpu", guide_folder=None):
     """The model as train.py trains it: loaded, then prepared with the row's flags (LoRA seeded alike)."""
     import train
 
-    args = train.parse_args(flags(row, model_folder))
+    args = train.parse_args(flags(row, model_folder, guide_folder))
     model = train.load_model(args.model, device)
     torch.manual_seed(SEED)  # LoRA's initial A
     return train.prepare_model(model, args), args
@@ -192,13 +195,14 @@ def accelerator_for(row):
     return Accelerator(cpu=True, kwargs_handlers=handlers)
 
 
-def run_row(row, model_folder, out_dir):
+def run_row(row, model_folder, out_dir, guide_folder):
     import train
 
     reset_accelerate_state()
     accelerator = accelerator_for(row)
     assert accelerator.num_processes == row.processes, (accelerator.num_processes, row)
-    model, args = load_prepared(row, model_folder, str(accelerator.device))
+    model, args = load_prepared(row, model_folder, str(accelerator.device), guide_folder)
+    guide = train.load_guide(args, accelerator)
     prompts = train.role_prompts(model)
     trained = train.Towers(model, COLUMNS) if train.is_router(model) else model
     optimizer = torch.optim.SGD(
@@ -224,6 +228,7 @@ def run_row(row, model_folder, out_dir):
             shard(batch, row, accelerator.process_index),
             chunking,
             known_positives=known,
+            guide=guide,
         )
         optimizer.step()  # a no-op under DeepSpeed, which stepped inside the last accelerator.backward
         optimizer.zero_grad()
@@ -248,7 +253,7 @@ def main(out_dir, models_json, rows_json):
     models = json.loads(models_json)
     for fields in json.loads(rows_json):
         row = Row(**fields)
-        run_row(row, models[row.model], out_dir)
+        run_row(row, models[row.model], out_dir, models[GUIDE["model"]])
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -148,3 +148,29 @@ def test_group_step_equals_plain_autograd_with_one_forward_per_chunk(tmp_path, c
     assert loss_error <= 1e-5 and gradient_error <= 1e-5
     assert all(calls) and len(calls) == report.num_chunks > 3 and report.num_reencoded == 0
     assert stats["masked_fraction"] > 0
+
+
+def test_a_run_with_every_large_batch_flag_trains_and_logs_the_masked_fraction(tmp_path, monkeypatch):
+    """train.main end to end in one process on FlagEmbedding-style records (lists of positives, teacher
+    scores), without in-batch negatives, with a margin and a guide model: it trains, saves, and logs
+    train/masked_fraction, above 0 where an anchor's other positive comes back as a hard negative."""
+    from test_train import build_tiny_model, logged_scalars, run_main
+
+    model = build_tiny_model(tmp_path, dropout=0.0)
+    records = [
+        {"query": f"w{i} a{i}", "pos": [f"w{i} p{i}", f"w{i} a{i + 20}"], "neg": [f"w{i + 5} n{i}"],
+         "pos_scores": [2.0, 1.0], "neg_scores": [-1.0]}
+        for i in range(16)
+    ]  # fmt: skip
+    for i in range(0, 16, 4):
+        records[i]["neg"] = [records[i]["pos"][1]]  # the anchor's other positive, as its hard negative
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    run_main(
+        monkeypatch, "--model", model, "--data", path, "--dev_data", "", "--output_dir", tmp_path / "run",
+        "--batch_size", 8, "--chunk_size", 3, "--max_steps", 2, "--in_batch_negatives", "off",
+        "--distill_weight", 0.5, "--false_negative_margin", 0.5, "--guide_model", model,
+    )  # fmt: skip
+    assert (tmp_path / "run" / "final").is_dir()
+    fractions = [value for _, value in logged_scalars(tmp_path / "run")["train/masked_fraction"]]
+    assert len(fractions) == 2 and all(0 < fraction < 1 for fraction in fractions)

@@ -32,9 +32,11 @@ import pytest
 import torch
 from backend_worker import torchrun
 from matrix_worker import (
+    CHUNK_SIZE,
     COLUMNS,
     DISTILLATION,
     FALSE_NEGATIVE_MARGIN,
+    GUIDE,
     LEARNING_RATE,
     MATRYOSHKA_DIMS,
     Row,
@@ -160,10 +162,21 @@ def sentence_transformers_loss(row, model):
     return MultipleNegativesRankingLoss(model)
 
 
-def independent_loss(row, model, batch):
+def independent_loss(row, model, batch, guide):
     """For the rows sentence-transformers has no loss for (masks, distillation, no in-batch negatives):
-    tests/references.py's, on the model's representations of the batch, masks read from the texts."""
+    tests/references.py's, on the model's representations of the batch, masks read from the texts and the
+    guide's scores ("masked" rows; encoded in train.py's batches, so that its scores are the same numbers)."""
     positives_of = positives_in_data(batch)  # what the data says is right for each anchor
+    guide_reps = None
+    if row.extra == "masked":
+        batch_size = 32 if row.chunking == "tokens" else CHUNK_SIZE
+        with torch.no_grad():
+            guide_reps = [
+                (guide.encode_query if column == "anchor" else guide.encode_document)(
+                    batch[column], batch_size=batch_size, convert_to_tensor=True
+                )
+                for column in COLUMNS
+            ]
 
     def loss(features, labels):
         reps = [model(dict(f))["sentence_embedding"] for f in features]
@@ -178,14 +191,19 @@ def independent_loss(row, model, batch):
             teacher=batch.get("teacher_scores"),
             distill_weight=DISTILLATION["weight"],
             temperature=DISTILLATION["temperature"],
+            guide=guide_reps,
+            guide_margin=GUIDE["margin"],
         )
 
     return loss
 
 
-def reference_run(row, model_folder):
+def reference_run(row, model_folder, guide_folder):
     """Losses of each rank at each step, and the trained weights: one process, the global batch, unchunked."""
+    from sentence_transformers import SentenceTransformer
+
     model, _ = load_prepared(row, model_folder)
+    guide = SentenceTransformer(guide_folder, device="cpu") if row.extra == "masked" else None
     model.train()
     standard = row.negatives == "in-batch" and row.extra == "none"
     loss_module = sentence_transformers_loss(row, model) if standard else None
@@ -198,7 +216,7 @@ def reference_run(row, model_folder):
         part_losses = []
         for part in parts:
             loss = loss_module or independent_loss(
-                row, model, part | {"other_positives": batch.get("other_positives", {})}
+                row, model, part | {"other_positives": batch.get("other_positives", {})}, guide
             )
             features = [
                 model.preprocess(part[column], task="query" if column == "anchor" else "document")
@@ -228,7 +246,9 @@ def relative_update_difference(weights, expected, start):
 @pytest.mark.parametrize("row", ROWS, ids=lambda row: row.name)
 def test_row_matches_sentence_transformers_on_the_global_batch(row, runs, model_folders):
     ranks = runs(row)
-    expected_losses, expected_weights = reference_run(row, model_folders[row.model])
+    expected_losses, expected_weights = reference_run(
+        row, model_folders[row.model], model_folders[GUIDE["model"]]
+    )
     start = load_prepared(row, model_folders[row.model])[0]
     start = trainable_weights(start.named_parameters())
     loss_difference = max(
