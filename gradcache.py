@@ -329,9 +329,11 @@ def group_step(
                   texts per column); chunk_tokens: padded tokens per chunk, all columns together, counted
                   as if every text of a row were as long as its longest. The processes agree on one plan
                   (`plan_step`), so under ZeRO-2/3 they run the same passes.
-    The other arguments are those of `gradcache_step`. Only the last chunk's backward synchronizes; the
-    processes agree on an out-of-memory or a loss that is not finite before it (then nothing more is
-    back-propagated and the report says `skipped`: the trainer must not step on the partial gradients).
+    The other arguments are those of `gradcache_step`; under DDP give `encode_group` even for one shared
+    encoder, since a chunk's columns must then go through one forward before its backward (train.Towers).
+    Only the last chunk's backward synchronizes; the processes agree on an out-of-memory or a loss that is
+    not finite before it (then nothing more is back-propagated and the report says `skipped`: the trainer
+    must not step on the partial gradients).
     """
     columns = list(columns)
     encoders = [encode_group] * len(columns) if encode_group is not None else encoders

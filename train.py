@@ -204,18 +204,18 @@ add(
     help="mask candidates scoring above the positive's score + M (Qwen3-Embedding: 0.1); default: none",
 )
 add(
+    "--false_negative_margin_strategy",
+    choices=["absolute", "relative"],
+    default="absolute",
+    help="relative: mask above M x the positive's score instead (NV-Retriever: 0.95)",
+)
+add(
     "--guide_model",
     default=None,
     help="a frozen sentence-transformers model (GIST): candidates it scores above its score of the positive "
     "(+ --guide_margin) are masked; default: none",
 )
 add("--guide_margin", type=float, default=0.0, help="added to the guide's positive score, its threshold")
-add(
-    "--false_negative_margin_strategy",
-    choices=["absolute", "relative"],
-    default="absolute",
-    help="relative: mask above M x the positive's score instead (NV-Retriever: 0.95)",
-)
 # Optimization
 add("--lr", type=float, default=2e-4, help="AdamW peak learning rate")
 add("--weight_decay", type=float, default=0.01, help="AdamW decoupled weight decay")
@@ -962,7 +962,7 @@ def false_negatives(args, accelerator, batch, known_positives, guide=None):
     answers = [(known_positives or {}).get(anchor, []) for anchor in ids[0]]
     width = max(1, *map(len, answers))  # the same on every process, to gather
     width = gradcache.largest_on_any_process([width])[0] if spans_processes else width
-    others = torch.tensor([ids + [-1] * (width - len(ids)) for ids in answers], device=accelerator.device)
+    others = torch.tensor([row + [-1] * (width - len(row)) for row in answers], device=accelerator.device)
     ids = [gather(torch.tensor(column_ids, device=accelerator.device)) for column_ids in ids]
     return gradcache.FalseNegatives(ids=ids, other_positives=gather(others), **options)
 

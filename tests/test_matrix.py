@@ -162,11 +162,11 @@ def sentence_transformers_loss(row, model):
     return MultipleNegativesRankingLoss(model)
 
 
-def independent_loss(row, model, batch, guide):
+def independent_loss(row, model, batch, guide, positives_of):
     """For the rows sentence-transformers has no loss for (masks, distillation, no in-batch negatives):
     tests/references.py's, on the model's representations of the batch, masks read from the texts and the
-    guide's scores ("masked" rows; encoded in train.py's batches, so that its scores are the same numbers)."""
-    positives_of = positives_in_data(batch)  # what the data says is right for each anchor
+    guide's scores ("masked" rows; encoded in train.py's batches, so that its scores are the same numbers).
+    positives_of: what the data (the global batch) says is right for each anchor."""
     guide_reps = None
     if row.extra == "masked":
         batch_size = 32 if row.chunking == "tokens" else CHUNK_SIZE
@@ -215,9 +215,7 @@ def reference_run(row, model_folder, guide_folder):
         parts = [batch] if row.cross else [shard(batch, row, rank) for rank in range(row.processes)]
         part_losses = []
         for part in parts:
-            loss = loss_module or independent_loss(
-                row, model, part | {"other_positives": batch.get("other_positives", {})}, guide
-            )
+            loss = loss_module or independent_loss(row, model, part, guide, positives_in_data(batch))
             features = [
                 model.preprocess(part[column], task="query" if column == "anchor" else "document")
                 for column in COLUMNS
