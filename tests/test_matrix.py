@@ -18,8 +18,12 @@ and uneven batch sizes need two processes or more; group-only negatives have no 
 no cross-process candidates. The first four rows are the defects that issue 15
 found in combinations; before its fix they crashed (gloo: "collective mismatch"), hung, trained wrong
 weights without a word (update off by 100%), and crashed (DDP: "marked as ready twice"). This table is
-the list of what is supported together; the README points here. Since issue 18 the first three also run
-without in-batch negatives (`gradcache.group_step`), on the same chunk plan agreement and tower grouping.
+the list of what is supported together; the README points here. One row is held to 5e-5: group-only with
+masks on the decoder, whose rank-0 loss falls to 0.11 by the third step with 80% of its negatives masked,
+its terms sums of three Matryoshka sizes of scores near 20: fp32 rounding left 1.4e-6 on that loss
+(1.3e-5 of it) and 2.5e-5 on the update, measured.
+Since issue 18 the first three also run without in-batch negatives (`gradcache.group_step`), on the same
+chunk plan agreement and tower grouping.
 
     .venv/bin/python -m pytest -q tests/test_matrix.py
 """
@@ -78,7 +82,7 @@ ROWS = [Row(*fields) for fields in [
     ("ddp",    2,     "uneven", "shared",  "matryoshka", "none",          True,  "in-batch", "none"),
     ("zero1",  2,     "tokens", "towers",  "matryoshka", "checkpointing", True,  "in-batch", "distilled"),
     ("zero2",  1,     "size",   "decoder", "matryoshka", "lora",          True,  "in-batch", "none"),
-    ("zero3",  2,     "uneven", "decoder", "matryoshka", "checkpointing", False, "group",    "masked"),
+    ("zero3",  2,     "uneven", "decoder", "matryoshka", "checkpointing", False, "group",    "masked",  5e-5),
     ("zero1",  3,     "tokens", "shared",  "symmetric",  "none",          False, "in-batch", "distilled"),
     ("plain",  1,     "tokens", "decoder", "one-way",    "lora",          False, "group",    "none"),
     ("zero3",  1,     "tokens", "decoder", "symmetric",  "checkpointing", False, "in-batch", "none"),
