@@ -31,7 +31,8 @@ fixed number of examples (`chunk_size`) or as many as fit in a budget of padded 
 so that peak memory follows the budget whatever the texts; columns of raw texts are tokenized chunk by
 chunk (`tokenize_per_chunk`), never padded as a whole batch. With several processes, all of them agree
 on one plan before stage 1 (`plan_step`): ZeRO-2 and ZeRO-3 communicate in every pass, so every process
-must run the same passes, whatever its texts.
+must run the same passes, whatever its texts. Without in-batch negatives the loss is a sum of per-row
+terms and needs no cache: `group_step` back-propagates each chunk of rows as it is encoded.
 
 Two guards keep a long run safe. A loss or representation gradient that is not finite is found after
 stage 2, before any backward: nothing is back-propagated and the report says `skipped`, so the trainer
@@ -75,6 +76,7 @@ class StepReport:
     num_reencoded: int  # chunks encoded again in stage 3 (num_chunks minus the kept group)
     rep_grad_norm: float  # norm of the cached representation gradients, all columns together
     skipped: bool = False  # the loss or its representation gradients were not finite: nothing back-propagated
+    stats: dict = dataclasses.field(default_factory=dict)  # for the trainer to log (what its loss reported)
 
 
 def gradcache_step(
@@ -290,6 +292,100 @@ def reencode_and_backpropagate(groups, rng_states, encode, rep_grads, backward, 
             backpropagate_cache(group, reps, rep_grads, backward)
             reps = None
     out_of_memory.agree(collectively=False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Without in-batch negatives, no cache: each chunk of rows back-propagated directly
+# ---------------------------------------------------------------------------------------------------------
+
+
+def group_step(
+    encoders,
+    columns: Sequence,
+    loss_fn: Callable,
+    chunk_size=None,
+    *,
+    chunk_tokens=None,
+    lengths: Sequence | None = None,
+    backward: Callable = torch.Tensor.backward,
+    sync_context: Callable = lambda is_last: contextlib.nullcontext(),
+    get_rep: Callable | None = None,
+    select: Callable | Sequence[Callable] | None = None,
+    allow_batch_mixing: bool = False,
+    agree_on_out_of_memory: bool = True,
+    encode_group: Callable | None = None,
+) -> StepReport:
+    """Accumulate into `.grad` the exact gradient of a loss where each anchor sees only its own group.
+
+    Without in-batch negatives (FlagEmbedding's no_in_batch_neg, NeMo's embedding recipes), anchor i is
+    scored against its own positive and hard negatives only: L = (1 / B) sum_i l(a_i, p_i, n_i1..n_ik), a
+    sum of per-row terms. A chunk of rows, encoded in every column, holds all its terms' inputs, so it is
+    back-propagated directly: one forward per chunk, no second forward, no cached gradients.
+
+    loss_fn:      loss(*reps, rows=index) -> one term per row of a chunk, whose representations `reps` are
+                  in column order and whose rows in the batch are `index` (to read per-row side data such
+                  as teacher scores); `group_loss` is one. The step divides their sum by the batch size.
+    chunk_size:   rows per chunk (each row's texts of every column go into it: a chunk of c rows encodes c
+                  texts per column); chunk_tokens: padded tokens per chunk, all columns together, counted
+                  as if every text of a row were as long as its longest. The processes agree on one plan
+                  (`plan_step`), so under ZeRO-2/3 they run the same passes.
+    The other arguments are those of `gradcache_step`; under DDP give `encode_group` even for one shared
+    encoder, since a chunk's columns must then go through one forward before its backward (train.Towers).
+    Only the last chunk's backward synchronizes; the processes agree on an out-of-memory or a loss that is
+    not finite before it (then nothing more is back-propagated and the report says `skipped`: the trainer
+    must not step on the partial gradients).
+    """
+    columns = list(columns)
+    encoders = [encode_group] * len(columns) if encode_group is not None else encoders
+    encoders = list(encoders) if isinstance(encoders, Sequence) else [encoders] * len(columns)
+    limits, by_tokens = chunk_limits(chunk_size, chunk_tokens, 1)
+    lengths = [None] * len(columns) if lengths is None else list(lengths)
+    check_step_arguments(encoders, columns, limits * len(columns), by_tokens, lengths, allow_batch_mixing)
+    batch_size = batch_size_of(columns[0])
+    plan = plan_step([torch.arange(batch_size)], limits, by_tokens, [row_lengths(columns, lengths)], False)
+    encode = group_encoder(
+        columns, encoders, encode_group, select or select_examples, get_rep or sentence_embedding
+    )
+    out_of_memory = OutOfMemory(agree_on_out_of_memory, limits, by_tokens)
+
+    total = 0.0
+    for g, [(_, index, padding)] in enumerate(plan):
+        is_last = g == len(plan) - 1
+        if is_last:
+            out_of_memory.agree()
+        elif out_of_memory.ran_out:
+            continue  # to the agreement before the last backward
+        with out_of_memory.watch(collective=is_last), sync_context(is_last):
+            reps = encode([Chunk(c, index, padding) for c in range(len(columns))])
+            with torch.autocast(reps[0].device.type, enabled=False):
+                terms = loss_fn(*[rep.float() for rep in reps], rows=index)
+                loss = terms.sum() * (0.0 if padding else 1.0 / batch_size)  # padding: reach, add nothing
+            total = total + loss.detach()
+            skipped = is_last and any_process(not bool(torch.isfinite(total)))  # one sync per step
+            if skipped:
+                break  # no process steps on these gradients: nor runs the backward that synchronizes
+            backward(loss)
+            reps = terms = loss = None
+    out_of_memory.agree(collectively=False)
+    return StepReport(
+        loss=total,
+        num_chunks=len(plan) * len(columns),
+        num_reencoded=0,
+        rep_grad_norm=float("nan"),  # no representation gradients are cached
+        skipped=skipped,
+    )
+
+
+def row_lengths(columns, lengths):
+    """Tokens of each row in every column, padded alike: the columns x the row's longest text. None where a
+    column's lengths are unknown."""
+    counted = [
+        example_lengths(column, column_lengths)
+        for column, column_lengths in zip(columns, lengths, strict=True)
+    ]
+    if any(column_lengths is None for column_lengths in counted):
+        return None
+    return torch.stack(counted).amax(dim=0) * len(columns)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -827,8 +923,74 @@ def contrastive_loss(
         )
         student = group_scores(*(full or (anchor, positive, *negatives)), rows=rows) * scale
         teacher = torch.as_tensor(teacher_scores, dtype=student.dtype, device=student.device)[rows]
-        loss = loss + distill_weight * distillation(student, teacher, distill_temperature) / len(anchor)
+        loss = loss + distill_weight * distillation(student, teacher, distill_temperature).sum() / len(anchor)
     return loss
+
+
+def group_loss(
+    anchor,
+    positive,
+    *negatives,
+    scale=20.0,
+    similarity="cos",
+    matryoshka_dims=None,
+    matryoshka_weights=None,
+    rows=None,
+    false_negatives=None,
+    stats=None,
+    teacher_scores=None,
+    distill_weight=1.0,
+    distill_temperature=1.0,
+):
+    """Without in-batch negatives: each anchor against its own group only, one term per row (`group_step`).
+
+        l_i = LSE_j(s_ij) - s_i0,   s_i0 = tau <a_i, p_i>,  s_ij = tau <a_i, n_ij>   (j = 1..k)
+
+    The scores are rows x (1 + k), never rows x N. The options are `contrastive_loss`'s; `rows` are the
+    indices in the batch of the rows these representations hold (a chunk's), to read the per-row side data:
+    `false_negatives` (a hard negative that repeats the row's positive or one of its other positives, or
+    scores above the margin, leaves the group), `teacher_scores`. `stats` accumulates "masked" and "seen"
+    hard negatives over calls, and their ratio as "masked_fraction".
+    """
+    if similarity not in ("cos", "dot"):
+        raise ValueError(f"similarity must be 'cos' or 'dot', got {similarity!r}")
+    rows = torch.arange(len(anchor)) if rows is None else rows
+    columns = [anchor, positive, *negatives]
+    every = slice(None)
+    masked = 0
+
+    def group_terms(columns):
+        nonlocal masked
+        similarities = group_scores(*columns, rows=every)
+        mask = torch.zeros_like(similarities, dtype=torch.bool)
+        if false_negatives is not None:
+            mask[:, 1:] = false_negatives.group_mask(similarities, rows)
+            masked = masked + mask.sum()
+        scores = (similarities * scale).masked_fill(mask, -torch.inf)
+        return torch.logsumexp(scores, dim=1) - scores[:, 0]
+
+    if matryoshka_dims is None:
+        if similarity == "cos":
+            columns = [F.normalize(column, dim=-1) for column in columns]
+        terms = group_terms(columns)
+    else:
+        weights = check_matryoshka(matryoshka_dims, matryoshka_weights, anchor.shape[-1])
+        terms = sum(
+            weight * group_terms([F.normalize(column[:, :dim], dim=-1) for column in columns])
+            for dim, weight in zip(matryoshka_dims, weights, strict=True)
+        )
+    if stats is not None:
+        stats["masked"] = stats.get("masked", 0) + int(masked)
+        stats["seen"] = stats.get("seen", 0) + len(anchor) * len(negatives) * len(matryoshka_dims or [0])
+        stats["masked_fraction"] = stats["masked"] / max(stats["seen"], 1)
+    if teacher_scores is not None:
+        full = (
+            [F.normalize(c, dim=-1) for c in (anchor, positive, *negatives)] if similarity == "cos" else None
+        )
+        student = group_scores(*(full or (anchor, positive, *negatives)), rows=every) * scale
+        teacher = torch.as_tensor(teacher_scores, dtype=student.dtype, device=student.device)[rows]
+        terms = terms + distill_weight * distillation(student, teacher, distill_temperature)
+    return terms
 
 
 def group_scores(anchor, positive, *negatives, rows):
@@ -838,9 +1000,9 @@ def group_scores(anchor, positive, *negatives, rows):
 
 
 def distillation(student, teacher, temperature):
-    """sum over rows of KL(softmax(teacher / T) || softmax(student / T)), over each row's group."""
+    """Per row, KL(softmax(teacher / T) || softmax(student / T)) over the row's group."""
     student, teacher = F.log_softmax(student / temperature, -1), F.log_softmax(teacher / temperature, -1)
-    return F.kl_div(student, teacher, log_target=True, reduction="sum")
+    return F.kl_div(student, teacher, log_target=True, reduction="none").sum(dim=-1)
 
 
 def info_nce(anchor, positive, *negatives, scale, symmetric, rows, tile_size, false_negatives, counts, hits):
@@ -871,47 +1033,102 @@ class FalseNegatives:
               a hash of the text), all >= 0. A candidate is masked where it repeats the row's positive, or
               where it is the positive of a row whose anchor repeats this row's anchor (in the reverse
               direction: an anchor that repeats the row's anchor, or whose positive repeats the row's).
+    other_positives: with `ids`, the ids of each row's other right answers (the other positives its anchor
+              has in the data), B x P, -1 where a row has fewer: a candidate repeating one is masked too
+              (reverse: an anchor one of whose other positives is the row's positive).
     margin:   mask candidates whose similarity exceeds the row's positive similarity + margin (absolute,
               Qwen3-Embedding's 0.1), or `margin` x it (`relative`: NV-Retriever's 0.95). The threshold is
               detached: it chooses the mask, it is not trained.
+    guide:    a frozen guide model's representations of every column (GIST): a candidate that the guide
+              scores (cosine) above its score of the row's positive + `guide_margin` is masked. The guide
+              sees what the student may not yet: its scores choose the mask, nothing trains them.
     """
 
     ids: Sequence | None = None
     margin: float | None = None
     relative: bool = False
+    other_positives: torch.Tensor | None = None
+    guide: Sequence | None = None
+    guide_margin: float = 0.0
 
     def tile_masks(self, anchor, positive, num_negatives, rows, scale):
         """The masks of the two directions: anchors against candidates, positives against anchors."""
         query_ids = key_ids = reverse_query_ids = reverse_key_ids = thresholds = None
+        guided = reverse_guided = None
         if self.ids is not None:
-            anchor_ids, positive_ids, *negative_ids = [
-                torch.as_tensor(i, device=anchor.device) for i in self.ids
-            ]
+            anchor_ids, positive_ids, *negative_ids = self.column_ids(anchor.device)
             if len(negative_ids) != num_negatives or any(len(i) != len(anchor) for i in self.ids):
                 raise ValueError("FalseNegatives.ids needs one id per text of every column of the batch.")
+            others = self.other_ids(len(anchor), anchor.device)
             unpaired = [torch.stack([ids, torch.full_like(ids, -1)], 1) for ids in negative_ids]
-            query_ids = torch.stack([anchor_ids, positive_ids], 1)[rows]  # (own id, target's id)
+            # Queries: (own id, ids of the right answers); keys: (own id, ids of the texts it answers).
+            query_ids = torch.cat([anchor_ids[:, None], positive_ids[:, None], others], 1)[rows]
             key_ids = torch.cat([torch.stack([positive_ids, anchor_ids], 1), *unpaired])
             reverse_query_ids = torch.stack([positive_ids, anchor_ids], 1)[rows]
-            reverse_key_ids = torch.stack([anchor_ids, positive_ids], 1)
+            reverse_key_ids = torch.cat([anchor_ids[:, None], positive_ids[:, None], others], 1)
         if self.margin is not None:
             with torch.no_grad():
                 positive_similarity = (anchor[rows] * positive[rows]).sum(dim=-1)
-                margin = self.margin
-                thresholds = positive_similarity * margin if self.relative else positive_similarity + margin
-                thresholds = thresholds * scale  # tiles hold scaled scores
-        return TileMask(query_ids, key_ids, thresholds), TileMask(
-            reverse_query_ids, reverse_key_ids, thresholds
+                thresholds = self.threshold(positive_similarity) * scale  # tiles hold scaled scores
+        if self.guide is not None:
+            guide_anchor, guide_positive, *guide_negatives = self.guide_columns(anchor.device)
+            guide_thresholds = (guide_anchor[rows] * guide_positive[rows]).sum(-1) + self.guide_margin
+            guide_candidates = torch.cat([guide_positive, *guide_negatives])
+            guided = GuideScores(guide_anchor[rows], guide_candidates, guide_thresholds)
+            reverse_guided = GuideScores(guide_positive[rows], guide_anchor, guide_thresholds)
+        return TileMask(query_ids, key_ids, thresholds, guided), TileMask(
+            reverse_query_ids, reverse_key_ids, thresholds, reverse_guided
         )
+
+    def guide_columns(self, device):
+        return [F.normalize(torch.as_tensor(g, device=device).float(), dim=-1) for g in self.guide]
+
+    def group_mask(self, similarities, rows):
+        """Which hard negatives leave their row's group (`group_loss`): rows x k, from the rows' similarities
+        to their positive (first) and hard negatives; `rows` index the batch's ids."""
+        mask = torch.zeros_like(similarities[:, 1:], dtype=torch.bool)
+        if self.ids is not None:
+            rows = torch.as_tensor(rows, device=similarities.device)
+            _, positive_ids, *negative_ids = [ids[rows] for ids in self.column_ids(similarities.device)]
+            others = self.other_ids(len(self.ids[0]), similarities.device)[rows]
+            answers = torch.cat([positive_ids[:, None], others], 1)
+            for j, ids in enumerate(negative_ids):
+                mask[:, j] = (ids[:, None] == answers).any(dim=1)
+        if self.margin is not None:
+            with torch.no_grad():
+                mask |= similarities[:, 1:] > self.threshold(similarities[:, :1])
+        if self.guide is not None:
+            rows = torch.as_tensor(rows, device=similarities.device)
+            guide_anchor, *guide_group = [g[rows] for g in self.guide_columns(similarities.device)]
+            guide_scores = torch.stack([(guide_anchor * g).sum(-1) for g in guide_group], dim=1)
+            mask |= guide_scores[:, 1:] > guide_scores[:, :1] + self.guide_margin
+        return mask
+
+    def column_ids(self, device):
+        return [torch.as_tensor(i, device=device) for i in self.ids]
+
+    def other_ids(self, batch_size, device):
+        if self.other_positives is None:
+            return torch.full((batch_size, 0), -1, dtype=torch.int64, device=device)
+        return torch.as_tensor(self.other_positives, device=device).reshape(batch_size, -1)
+
+    def threshold(self, positive_similarity):
+        if self.relative:
+            return positive_similarity * self.margin
+        return positive_similarity + self.margin
 
 
 @dataclasses.dataclass
 class TileMask:
-    """The entries of a score tile that leave the softmax: built the same way in forward and backward."""
+    """The entries of a score tile that leave the softmax: built the same way in forward and backward.
 
-    query_ids: torch.Tensor | None  # per query row: (its own id, its target's id)
-    key_ids: torch.Tensor | None  # per key: (its id, the id of the text it is the target of, or -1)
+    A key is masked for a query where the key's id is one of the query's right answers, or the query's id
+    is one of the texts the key answers; -1 fills both lists (ids are >= 0) and matches nothing."""
+
+    query_ids: torch.Tensor | None  # per query row: (its own id, the ids of its right answers...)
+    key_ids: torch.Tensor | None  # per key: (its id, the ids of the texts it answers..., or -1)
     thresholds: torch.Tensor | None  # per query row, in scaled scores
+    guided: "GuideScores | None" = None
     masked: torch.Tensor | int = 0  # counted in forward
     seen: int = 0
 
@@ -919,11 +1136,27 @@ class TileMask:
         mask = torch.zeros_like(scores, dtype=torch.bool)
         if self.query_ids is not None:
             queries, keys = self.query_ids[rows], self.key_ids[columns]
-            mask |= (keys[None, :, 0] == queries[:, None, 1]) | (keys[None, :, 1] == queries[:, None, 0])
+            # One T x T comparison at a time: never T x T x (number of right answers).
+            for answer in queries[:, 1:].T:
+                mask |= keys[None, :, 0] == answer[:, None]
+            for answered in keys[:, 1:].T:
+                mask |= answered[None, :] == queries[:, 0, None]
         if self.thresholds is not None:
             mask |= scores > self.thresholds[rows, None]
+        if self.guided is not None:
+            guide = self.guided
+            mask |= guide.queries[rows] @ guide.keys[columns].T > guide.thresholds[rows, None]
         mask[local, targets] = False
         return mask
+
+
+class GuideScores(typing.NamedTuple):
+    """A guide model's normalized representations of a tile mask's queries and keys, and per query row the
+    score above which a key is masked."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    thresholds: torch.Tensor
 
 
 def check_matryoshka(dims, weights, width):

@@ -34,7 +34,8 @@ The file reads top to bottom: the flags, the data, the model, the step, then mai
 loop with the optimizer step), and two appendices: checkpoints, and the out-of-memory back-off. Imported
 by tests/ and bench/, so kept as they are: parse_args, main, load_data, load_pairs, hub_out_of_reach,
 make_loader, build_evaluator, load_model, prepare_model, role_prompts, tokenize, Towers, is_router,
-loss_function, gradient_cache_step, save_checkpoint, set_peak_learning_rate, step_with_back_off.
+loss_function, gradient_cache_step, save_checkpoint, set_peak_learning_rate, step_with_back_off; and for
+issue 18's tools text_id, positives_by_anchor, load_guide, PositiveDraws, text_columns.
 """
 
 import argparse
@@ -45,6 +46,7 @@ import dataclasses
 import functools
 import glob
 import gzip
+import hashlib
 import importlib.metadata
 import itertools
 import json
@@ -204,6 +206,13 @@ add("--auto_chunk_size", action="store_true", help="on out-of-memory, halve the 
 add("--cross_process_negatives", action="store_true", help="contrast with the batches of all processes")
 # Loss
 add("--scale", type=float, default=20.0, help="inverse temperature of the cosine similarities")
+add(
+    "--in_batch_negatives",
+    choices=["on", "off"],
+    default="on",
+    help="off: each anchor against its own positive and hard negatives only; chunks are then back-propagated "
+    "directly, without the cache's second forward",
+)
 add("--symmetric", action="store_true", help="add the positive -> anchor direction to the loss")
 add(
     "--matryoshka_dims",
@@ -213,6 +222,38 @@ add(
 )
 add("--matryoshka_weights", default="", help="one weight per --matryoshka_dims entry; default 1 each")
 add("--loss_tile_size", type=int, default=None, help="score tile of the tiled loss; default: automatic")
+add(
+    "--distill_weight",
+    type=float,
+    default=0.0,
+    help="add W x the KL divergence to a teacher's scores (fields pos_scores, neg_scores); default 0: off",
+)
+add("--distill_temperature", type=float, default=1.0, help="of the teacher's and the student's softmax")
+add(
+    "--mask_repeated_texts",
+    choices=["on", "off"],
+    default="on",
+    help="a candidate repeating one of the anchor's positives (any record's with that anchor) is no negative",
+)
+add(
+    "--false_negative_margin",
+    type=float,
+    default=None,
+    help="mask candidates scoring above the positive's score + M (Qwen3-Embedding: 0.1); default: none",
+)
+add(
+    "--false_negative_margin_strategy",
+    choices=["absolute", "relative"],
+    default="absolute",
+    help="relative: mask above M x the positive's score instead (NV-Retriever: 0.95)",
+)
+add(
+    "--guide_model",
+    default=None,
+    help="a frozen sentence-transformers model (GIST): candidates it scores above its score of the positive "
+    "(+ --guide_margin) are masked; default: none",
+)
+add("--guide_margin", type=float, default=0.0, help="added to the guide's positive score, its threshold")
 # Optimization
 add("--lr", type=float, default=2e-4, help="AdamW peak learning rate")
 add("--weight_decay", type=float, default=0.01, help="AdamW decoupled weight decay")
@@ -326,6 +367,16 @@ def parse_args(argv=None):
     )
     if args.merge_lora and not args.lora_r:
         parser.error("--merge_lora merges a LoRA adapter into the model: add --lora_r, or drop --merge_lora.")
+    if args.false_negative_margin_strategy == "relative" and args.false_negative_margin is None:
+        parser.error("--false_negative_margin_strategy relative needs --false_negative_margin, e.g. 0.95.")
+    if args.in_batch_negatives == "off" and (args.symmetric or args.cross_process_negatives):
+        parser.error(
+            "--in_batch_negatives off scores each anchor against its own group only: --symmetric (positives "
+            "against the batch's anchors) and --cross_process_negatives (other processes' candidates) need "
+            "in-batch negatives. Drop them, or keep in-batch negatives."
+        )
+    if not (args.distill_weight >= 0 and args.distill_temperature > 0):
+        parser.error("--distill_weight must be 0 (off) or more, and --distill_temperature more than 0.")
     if args.loss_tile_size is not None and args.loss_tile_size < 1:
         parser.error(f"--loss_tile_size must be at least 1, got {args.loss_tile_size} (omit it: automatic).")
     return args
@@ -387,7 +438,8 @@ def load_data(args, accelerator):
     set: pairs, or a BEIR folder's (queries, corpus, relevant docs)."""
     with accelerator.main_process_first():  # the first process fills datasets' cache, the others read it
         checks = (args.skip_bad_records, args.max_text_chars, accelerator.print)
-        train_data, skipped_records = load_pairs(args.data, args.columns, *checks)
+        scored = args.distill_weight > 0  # the teacher's scores are read with the texts
+        train_data, skipped_records = load_pairs(args.data, args.columns, *checks, teacher_scores=scored)
         dev_data = None
         if args.dev_data:
             kind, where, split = locate_data(args.dev_data, "--dev_data")
@@ -407,12 +459,24 @@ def load_data(args, accelerator):
 
 def negatives_per_example(args, processes, train_data):
     """The wrong candidates each anchor is scored against: (batch x (1 + hard negatives)) - 1, the batch
-    that of all processes with --cross_process_negatives."""
+    that of all processes with --cross_process_negatives; its hard negatives alone with --in_batch_negatives
+    off."""
+    group = len(text_columns(train_data.column_names)) - 1  # the positive and the hard negatives
+    if args.in_batch_negatives == "off":
+        return group - 1
     contrasted = args.batch_size * (processes if args.cross_process_negatives else 1)
-    return contrasted * (len(train_data.column_names) - 1) - 1
+    return contrasted * group - 1
 
 
-def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000, say=print, flag="--data"):
+def load_pairs(
+    source,
+    columns="",
+    skip_bad_records=False,
+    max_text_chars=20_000,
+    say=print,
+    flag="--data",
+    teacher_scores=False,
+):
     """(datasets.Dataset, number of records skipped) from `source`, any form locate_data reads: a .jsonl,
     .json (JSON lines or one array of records), .csv, .tsv or .parquet file (optionally .gz), a folder or glob
     of them, a save_to_disk folder or a hub data set, name[:split]. `columns` maps fields to roles as
@@ -423,7 +487,8 @@ def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000
     anchor, positive, then negative_1, negative_2... A list of positives stays a list (PositiveDraws picks
     one per epoch); the negatives fields, texts or lists, line up as negative_1, negative_2... Every record is
     checked first: a bad one stops the run, naming its place and problem, or with `skip_bad_records` is left
-    out and counted.
+    out and counted. With `teacher_scores`, each record's scores of its positives and negatives
+    (`read_teacher_scores`) become the columns positive_scores and negative_scores.
     """
     records = list(read_records(source, flag))
     present = collections.Counter(
@@ -437,7 +502,8 @@ def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000
     examples, skipped = [], []
     for place, record in records:
         if isinstance(record, dict):  # else it says, in words, what is wrong with the record
-            record = read_example(record, fields, max_text_chars, present)
+            example = read_example(record, fields, max_text_chars, present)
+            record = read_teacher_scores(record, example, columns) if teacher_scores else example
         if isinstance(record, dict):
             examples.append(record)
         elif skip_bad_records:
@@ -461,6 +527,9 @@ def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000
             "(every row of a batch needs as many). Drop the short records to keep more."
         )
     table |= {f"negative_{i + 1}": [texts[i] for texts in negatives] for i in range(count)}
+    if teacher_scores:
+        table["positive_scores"] = [example["positive_scores"] for example in examples]
+        table["negative_scores"] = [example["negative_scores"][:count] for example in examples]
     return datasets.Dataset.from_dict(table), len(skipped)
 
 
@@ -481,6 +550,8 @@ def role_fields(columns, available):
     named = {}
     for item in filter(None, columns.split(",")):
         role, _, fields = (part.strip() for part in item.partition("="))
+        if role in SCORE_FIELDS:  # read by read_teacher_scores
+            continue
         if role not in (*DEFAULT_FIELDS, "negatives") or not (fields or role == "negatives"):
             parser.error(
                 f"--columns: cannot read {item!r}; write role=field with roles anchor, positive, negatives "
@@ -512,6 +583,46 @@ def field_roles(fields, present):
     roles = ", ".join(f"{role} <- {field}" for role, field in fields if role != "negative")
     unused = ", ".join(field for field in present if field not in {field for _, field in fields}) or "none"
     return f"{roles}, negatives <- {negatives}; unused: {unused}"
+
+
+# A teacher's scores (FlagEmbedding's fields): one per positive and one per negative, a number or a list.
+SCORE_FIELDS = ("pos_scores", "neg_scores")
+SCORE_COLUMNS = ("positive_scores", "negative_scores", "teacher_scores")
+
+
+def read_teacher_scores(record, example, columns):
+    """`example` with its teacher's scores, positive_scores and negative_scores, from the record's
+    pos_scores and neg_scores (or the fields --columns maps them to: pos_scores=f, neg_scores=f1+f2), one
+    number per positive and per negative, in their order; or what is wrong, in words."""
+    if not isinstance(example, dict):
+        return example
+    named = {}
+    for item in filter(None, columns.split(",")):
+        role, _, fields = (part.strip() for part in item.partition("="))
+        named[role] = fields
+    for column, field, texts in (
+        ("positive_scores", "pos_scores", "positive"),
+        ("negative_scores", "neg_scores", "negative"),
+    ):
+        scores = []
+        for name in named.get(field, field).split("+"):
+            if name not in record and example[texts]:
+                return f"has no field {name!r} (teacher scores, for --distill_weight), only {sorted(record)}"
+            value = record.get(name, [])
+            for score in value if isinstance(value, list) else [value]:
+                try:
+                    scores.append(float(score))
+                except (TypeError, ValueError):
+                    return f"has field {name!r} = {str(score)[:40]!r}, not a score (a number)"
+        if len(scores) != len(example[texts]):
+            return f"has {len(scores)} {field} for {len(example[texts])} {texts}s: give one score per text"
+        example[column] = scores
+    return example
+
+
+def text_columns(column_names):
+    """The columns of texts, in order (anchor, positive, negatives), without the teacher's scores."""
+    return [column for column in column_names if column not in SCORE_COLUMNS]
 
 
 def read_example(record, fields, max_chars, present):
@@ -766,13 +877,14 @@ class NoDuplicatesOrder(torch.utils.data.Sampler):
 
     def __init__(self, dataset, batch_size, seed, group=1):
         self.examples = PositiveDraws(dataset, seed)  # what the DataLoader reads: one positive per example
+        self.texts = PositiveDraws(dataset, seed, texts_only=True)  # what the sampler compares: no scores
         self.batches = NoDuplicatesBatchSampler(
-            self.examples, batch_size * group, True, generator=torch.Generator(), seed=seed
+            self.texts, batch_size * group, True, generator=torch.Generator(), seed=seed
         )
         self.batch_size = batch_size * group
 
     def set_epoch(self, epoch):  # called by accelerate's DataLoaderShard.set_epoch
-        self.examples.epoch = epoch
+        self.examples.epoch = self.texts.epoch = epoch
         self.batches.set_epoch(epoch)
 
     def __iter__(self):
@@ -784,20 +896,26 @@ class NoDuplicatesOrder(torch.utils.data.Sampler):
 
 class PositiveDraws(torch.utils.data.Dataset):
     """The examples, each with one of its positives when it has a list of them: drawn anew each epoch from
-    (seed, epoch, example), so a resumed run draws what the uninterrupted one drew."""
+    (seed, epoch, example), so a resumed run draws what the uninterrupted one drew. With a teacher's scores,
+    the drawn positive's and the negatives' become `teacher_scores` (left out with `texts_only`)."""
 
-    def __init__(self, dataset, seed):
-        self.dataset, self.seed, self.epoch = dataset, seed, 0
+    def __init__(self, dataset, seed, texts_only=False):
+        self.dataset, self.seed, self.epoch, self.texts_only = dataset, seed, 0, texts_only
         self.column_names = dataset.column_names
 
     def __len__(self):
         return len(self.dataset)
 
     def __getitem__(self, index):
-        example = self.dataset[index]
+        example, drawn = self.dataset[index], 0
         if isinstance(example["positive"], list):
             draw = random.Random(f"{self.seed}:{self.epoch}:{index}")
-            example["positive"] = draw.choice(example["positive"])
+            drawn = draw.randrange(len(example["positive"]))  # what draw.choice draws
+            example["positive"] = example["positive"][drawn]
+        if "positive_scores" in example:
+            scores = [example.pop("positive_scores")[drawn], *example.pop("negative_scores")]
+            if not self.texts_only:
+                example["teacher_scores"] = scores
         return example
 
 
@@ -1024,6 +1142,8 @@ class Towers(torch.nn.Module):
     ZeRO-3 needs). DDP with find_unused_parameters reads the parameters a backward will reach from the output
     of the forward before it: one call per column would leave the query tower "unused" after the document
     call, then find its gradients too ("marked as ready twice"). One call for the group keeps one all-reduce.
+    With --in_batch_negatives off any model is wrapped so: a chunk of rows encodes every column, then one
+    backward, and DDP allows one forward per backward.
     """
 
     def __init__(self, model, column_names):
@@ -1047,28 +1167,136 @@ def is_router(model):
 
 
 def loss_function(args, model):
-    """The contrastive loss of stage 2 as the flags set it (a partial of gradcache.contrastive_loss), scored
-    by the model's similarity. A new loss term belongs here: gradcache calls it on the whole batch."""
+    """The contrastive loss as the flags set it, scored by the model's similarity: a partial of
+    gradcache.contrastive_loss, which stage 2 calls on the whole batch, or with --in_batch_negatives off of
+    gradcache.group_loss, which group_step calls on each chunk. A new loss term belongs here."""
+    if args.in_batch_negatives == "off":
+        in_batch = {}  # no other rows' candidates: no tiles, no symmetric direction
+        loss = gradcache.group_loss
+    else:
+        in_batch = dict(symmetric=args.symmetric, tile_size=args.loss_tile_size)
+        loss = gradcache.contrastive_loss
     return functools.partial(
-        gradcache.contrastive_loss,
+        loss,
         scale=args.scale,
         similarity="dot" if model.similarity_fn_name == "dot" else "cos",
-        symmetric=args.symmetric,
-        tile_size=args.loss_tile_size,
+        **in_batch,
         matryoshka_dims=args.matryoshka_dims,
         matryoshka_weights=args.matryoshka_weights,
+        distill_weight=args.distill_weight,
+        distill_temperature=args.distill_temperature,
     )
 
 
-def gradient_cache_step(accelerator, engine, model, prompts, loss_fn, args, batch, chunking, stats=None):
+def text_id(text):
+    """A text's id in the false-negative masks: equal texts, equal ids, on every process and in every run (a
+    hash, where Python's hash() is salted per process); 63 bits, so that it is >= 0 as an int64."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def positives_by_anchor(train_data):
+    """{anchor id: ids of its positives} for the anchors with several positives in the data (a list, or
+    several records): every one of them is a right answer of the anchor, never one of its negatives."""
+    positives = collections.defaultdict(set)
+    for anchor, positive in zip(train_data["anchor"], train_data["positive"], strict=True):
+        positives[text_id(anchor)].update(
+            map(text_id, positive if isinstance(positive, list) else [positive])
+        )
+    return {anchor: sorted(ids) for anchor, ids in positives.items() if len(ids) > 1}
+
+
+def load_guide(args, accelerator):
+    """The --guide_model, frozen, whole on every process: under ZeRO-3 transformers would load it partitioned
+    (its DeepSpeed config, which accelerate registers, says stage 3), and nothing would gather it."""
+    if not args.guide_model:
+        return None
+    from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        guide = load_model(args.guide_model, str(accelerator.device))
+    finally:
+        plugin = accelerator.state.deepspeed_plugin
+        if plugin is not None and getattr(plugin, "dschf", None) is not None:
+            set_hf_deepspeed_config(plugin.dschf)  # as accelerate left it
+    return guide.eval().requires_grad_(False)
+
+
+def guide_representations(args, guide, batch, gather):
+    """The guide's representations of every column of the batch, chunk by chunk without gradients, with its
+    own tokenizer and prompts (anchors as its queries, the others as its documents)."""
+    encode = dict(batch_size=args.chunk_size or 32, convert_to_tensor=True, show_progress_bar=False)
+    with torch.no_grad():
+        return [
+            gather(
+                (guide.encode_query if column == "anchor" else guide.encode_document)(texts, **encode).float()
+            )
+            for column, texts in batch.items()
+        ]
+
+
+def false_negatives(args, accelerator, batch, known_positives, guide=None):
+    """The batch's gradcache.FalseNegatives as the flags set them, or None. Texts are compared by id; with
+    cross-process negatives every process's ids are gathered (integers, never texts), as the loss scores
+    the global batch. An anchor's other positives (`positives_by_anchor`) are right answers too."""
+    if args.mask_repeated_texts == "off" and args.false_negative_margin is None and guide is None:
+        return None
+    spans_processes = args.cross_process_negatives and accelerator.num_processes > 1
+
+    def gather(local):
+        return torch.cat(gradcache.gather_from_all_processes(local)) if spans_processes else local
+
+    options = dict(
+        margin=args.false_negative_margin, relative=args.false_negative_margin_strategy == "relative"
+    )
+    if guide is not None:
+        options |= dict(
+            guide=guide_representations(args, guide, batch, gather), guide_margin=args.guide_margin
+        )
+    if args.mask_repeated_texts == "off":
+        return gradcache.FalseNegatives(**options)
+    ids = [[text_id(text) for text in texts] for texts in batch.values()]
+    answers = [(known_positives or {}).get(anchor, []) for anchor in ids[0]]
+    width = max(1, *map(len, answers))  # the same on every process, to gather
+    width = gradcache.largest_on_any_process([width])[0] if spans_processes else width
+    others = torch.tensor([row + [-1] * (width - len(row)) for row in answers], device=accelerator.device)
+    ids = [gather(torch.tensor(column_ids, device=accelerator.device)) for column_ids in ids]
+    return gradcache.FalseNegatives(ids=ids, other_positives=gather(others), **options)
+
+
+def teacher_scores(args, accelerator, batch):
+    """The batch's teacher scores, rows x (positive, negatives), or None without --distill_weight; with
+    cross-process negatives every process's rows, as the loss scores the global batch."""
+    if not args.distill_weight:
+        return None
+    scores = batch["teacher_scores"]  # collated: one tensor per place in the group, or rows x group
+    scores = torch.stack(list(scores), dim=1) if isinstance(scores, list) else scores
+    scores = scores.to(accelerator.device, torch.float32)
+    if args.cross_process_negatives and accelerator.num_processes > 1:
+        scores = torch.cat(gradcache.gather_from_all_processes(scores))
+    return scores
+
+
+def gradient_cache_step(
+    accelerator, engine, model, prompts, loss_fn, args, batch, chunking, stats=None, known_positives=None,
+    guide=None,
+):  # fmt: skip
     """Gradient Cache on one batch ({column: texts}): accumulates its gradients, returns gradcache's report.
 
     Only the token counts of the texts are taken up front (tokenize with padding=False), to sort and budget
     the chunks; each chunk is tokenized as it is encoded, never the batch as a whole. A Router model's engine
-    (Towers) encodes a whole group of chunks per call. `stats`, a dict, receives the batch's "tokens" and
-    the "padding_efficiency" of its chunks: their real tokens over their padded ones.
+    (Towers) encodes a whole group of chunks per call. The loss gets the batch's own data here: the ids of
+    its texts and the guide's representations of them for the false-negative masks, and the teacher's scores
+    to distil. `stats`, a dict, receives the batch's numbers for the logs: from the loss, its in-batch
+    "accuracy", "matryoshka_losses" and the "masked_fraction" of candidates the masks took out; from here the
+    batch's "tokens" and the "padding_efficiency" of its chunks (real tokens over padded ones).
     """
     towers = isinstance(accelerator.unwrap_model(engine), Towers)
+    teacher = teacher_scores(args, accelerator, batch)
+    batch = {column: batch[column] for column in text_columns(batch)}
+    masks = false_negatives(args, accelerator, batch, known_positives, guide)
+    batch_stats = {}  # fresh for each batch: group_loss sums its counts over the chunks' calls
+    loss_fn = functools.partial(loss_fn, false_negatives=masks, stats=batch_stats, teacher_scores=teacher)
     chunk_tokens = [0, 0]  # real and padded, over every chunk encoded
 
     def token_counts(column, texts):
@@ -1085,7 +1313,10 @@ def gradient_cache_step(accelerator, engine, model, prompts, loss_fn, args, batc
         return tokenized
 
     lengths = [token_counts(column, texts) for column, texts in batch.items()]
-    report = gradcache.gradcache_step(
+    # Without in-batch negatives the loss splits per row: each chunk of rows is back-propagated directly.
+    in_batch = args.in_batch_negatives == "on"
+    step = gradcache.gradcache_step if in_batch else gradcache.group_step
+    report = step(
         None if towers else engine,
         list(batch.values()),
         loss_fn,
@@ -1094,12 +1325,14 @@ def gradient_cache_step(accelerator, engine, model, prompts, loss_fn, args, batc
         select=[gradcache.tokenize_per_chunk(chunk_tokenizer(column)) for column in batch],
         backward=accelerator.backward,
         sync_context=gradcache.accelerate_sync_context(accelerator, engine),
-        cross_process_negatives=args.cross_process_negatives,
         # DeepSpeed's passes are collectives themselves: a process that runs out of memory cannot agree.
         agree_on_out_of_memory=accelerator.distributed_type != DistributedType.DEEPSPEED,
         encode_group=engine if towers else None,
+        **({"cross_process_negatives": args.cross_process_negatives} if in_batch else {}),
     )
     if stats is not None:
+        stats.clear()
+        stats.update(batch_stats)
         stats["tokens"] = int(sum(column.sum() for column in lengths))
         stats["padding_efficiency"] = chunk_tokens[0] / chunk_tokens[1]
     return report
@@ -1127,10 +1360,22 @@ def main(args):
     engine, optimizer, loader, scheduler, derived = prepare_training(
         args, accelerator, model, train_data, skipped_records
     )
-    stats = {}  # each batch's numbers for the logs: tokens from the step, in-batch accuracy from the loss
-    loss_fn = functools.partial(loss_function(args, model), stats=stats)
+    stats = {}  # each batch's numbers for the logs: tokens from the step, accuracy and masks from the loss
+    loss_fn = loss_function(args, model)
+    # An anchor's other positives in the data are no negatives of it (--mask_repeated_texts).
+    known_positives = positives_by_anchor(train_data) if args.mask_repeated_texts == "on" else None
+    guide = load_guide(args, accelerator)  # --guide_model: its scores mask false negatives
     step = functools.partial(
-        gradient_cache_step, accelerator, engine, model, prompts, loss_fn, args, stats=stats
+        gradient_cache_step,
+        accelerator,
+        engine,
+        model,
+        prompts,
+        loss_fn,
+        args,
+        stats=stats,
+        known_positives=known_positives,
+        guide=guide,
     )
     fp16 = loss_scale(accelerator, engine) is not None  # the loss is scaled: its scaler skips overflows
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
@@ -1321,8 +1566,10 @@ def prepare_training(args, accelerator, model, train_data, skipped_records):
     them, and the learning rate schedule."""
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapter only
     adamw = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
-    # A Router model's engine encodes a whole group of chunks per call.
-    trained = Towers(model, train_data.column_names) if is_router(model) else model
+    # A Router model's engine encodes a whole group of chunks per call; so does any model's without in-batch
+    # negatives, whose chunks of rows encode every column before one backward.
+    grouped = is_router(model) or args.in_batch_negatives == "off"
+    trained = Towers(model, text_columns(train_data.column_names)) if grouped else model
     loader = make_loader(train_data, args, accelerator.num_processes)
     engine, optimizer, loader = accelerator.prepare(trained, adamw, loader)
     derived = derive_numbers(args, accelerator, loader, train_data, skipped_records)
@@ -1440,9 +1687,8 @@ def evaluate(evaluator, model, accelerator, global_step):
 class LogWindow:
     """What happened since the last log: its means become the logged training metrics."""
 
-    loss: float = 0.0  # this and the others summed over the batches
-    in_batch_accuracy: float = 0.0
-    padding_efficiency: float = 0.0
+    loss: float = 0.0  # this and the means summed over the batches
+    means: dict = dataclasses.field(default_factory=dict)  # the loss's and the step's numbers, by name
     matryoshka_losses: dict = dataclasses.field(default_factory=dict)
     tokens: int = 0
     batches: int = 0
@@ -1450,10 +1696,12 @@ class LogWindow:
     seconds: float = 0.0  # training only: evaluation, logging and checkpoints left out
 
     def add(self, loss, stats, seconds):
-        """One batch: its loss, and its `stats` from the step and the loss."""
+        """One batch: its loss, and its `stats` from the step and the loss (in-batch accuracy only where
+        there are in-batch negatives, the masked fraction only with masks)."""
         self.loss, self.batches, self.seconds = self.loss + loss, self.batches + 1, self.seconds + seconds
-        self.in_batch_accuracy += stats["accuracy"]
-        self.padding_efficiency += stats["padding_efficiency"]
+        for name in ("accuracy", "padding_efficiency", "masked_fraction"):
+            if name in stats:
+                self.means[name] = self.means.get(name, 0.0) + stats[name]
         self.tokens += stats["tokens"]
         for dim, value in stats.get("matryoshka_losses", {}).items():
             self.matryoshka_losses[dim] = self.matryoshka_losses.get(dim, 0.0) + value
@@ -1480,10 +1728,14 @@ def log_training(accelerator, engine, progress, window, derived, batches_per_epo
                    for name, value in values.items()}  # fmt: skip
         return {name: value.item() for name, value in accelerator.reduce(tensors, reduction).items()}
 
+    names = {
+        "accuracy": "train/in_batch_accuracy",  # anchors whose positive scores highest
+        "padding_efficiency": "train/padding_efficiency",  # real tokens / padded tokens of the chunks
+        "masked_fraction": "train/masked_fraction",  # candidates the false-negative masks took out
+    }
     means = {  # per batch; each process's batch counts alike
         "train/loss": window.loss,
-        "train/in_batch_accuracy": window.in_batch_accuracy,  # anchors whose positive scores highest
-        "train/padding_efficiency": window.padding_efficiency,  # real tokens / padded tokens of the chunks
+        **{names[name]: value for name, value in window.means.items()},
     } | {f"train/loss_dim_{dim}": value for dim, value in window.matryoshka_losses.items()}
     metrics = {
         "train/global_step": progress.global_step,

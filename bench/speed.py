@@ -8,7 +8,10 @@ same for every variant). Variants: plain full batch (where it fits), sentence-tr
 CachedMultipleNegativesRankingLoss, and gradcache_step with length-sorted chunks and last-chunk reuse each
 switched on and off (up to --ablation_max_batch), all chunked by --chunk_size examples; and, where
 --chunk_tokens is set, ours chunked by that padded-token budget against sentence-transformers' cached
-loss at its best setting, `mini_batch_num_tokens` equal to it (a budget of tokens without padding).
+loss at its best setting, `mini_batch_num_tokens` equal to it (a budget of tokens without padding). The
+loss without in-batch negatives (`gradcache.group_loss`) runs both through the cache (gradcache_step) and
+without it (`gradcache.group_step`: each chunk of rows back-propagated directly, no second forward), at
+the same batch and the same texts per forward.
 Model forward hooks split each step into encoding without and with gradient, the optimizer and the rest
 (backward, loss); for ours also stage 2 (the loss and its gradient) and chunk selection.
 
@@ -85,6 +88,9 @@ VARIANTS = {
     "ours, unsorted, no reuse": ("ours", {"sort_by_length": False, "reuse_last_chunk": False}, False),
     "ST cached, token budget": ("st", {}, True),
     "ours, token budget": ("ours", {}, True),
+    # The loss without in-batch negatives (each anchor against its own group), by the cache and without it
+    "group-only, cached": ("group cached", {}, False),
+    "group-only, no cache": ("group", {}, False),
 }
 TOKEN_VARIANTS = [name for name, (_, _, by_tokens) in VARIANTS.items() if by_tokens]
 
@@ -174,12 +180,16 @@ def variant_max_batch(name, args):
         return 0
     if name == "plain":
         return args.plain_max_batch
-    return math.inf if name in ("ours", "ST cached", *TOKEN_VARIANTS) else args.ablation_max_batch
+    if name in ("ours", "ST cached", "group-only, cached", "group-only, no cache", *TOKEN_VARIANTS):
+        return math.inf
+    return args.ablation_max_batch
 
 
 def make_variant_step(name, model, args, clock):
     method, switches, by_tokens = VARIANTS[name]
     chunk_tokens = args.chunk_tokens if by_tokens else None
+    if method.startswith("group"):
+        return group_only_step(method, model, args.chunk_size)
     if method != "ours":
         return harness.make_step(method, model, args.chunk_size, chunk_tokens)
     kwargs = clock.wrap_ours({})
@@ -191,6 +201,19 @@ def make_variant_step(name, model, args, clock):
             return gradcache.gradcache_step(model, features, loss_fn, **chunks, **kwargs).loss
 
     return step
+
+
+def group_only_step(method, model, chunk_size):
+    """A step of the loss without in-batch negatives: through the cache, or chunks of rows back-propagated
+    directly (a chunk of chunk_size rows encodes chunk_size texts of each column, as a cached chunk does)."""
+    group_loss = partial(gradcache.group_loss, scale=harness.SCALE)
+    if method == "group":
+        return lambda features: gradcache.group_step(model, features, group_loss, chunk_size).loss
+
+    def whole_batch_loss(*reps):
+        return group_loss(*reps).sum() / len(reps[0])
+
+    return lambda features: gradcache.gradcache_step(model, features, whole_batch_loss, chunk_size).loss
 
 
 def check_agreement(model, features, chunk_size):
@@ -327,6 +350,7 @@ def table(results, args):
                 ratio_cell(runs, "ours, unsorted, no reuse", "ours"),
                 ratio_cell(runs, "ours, unsorted, no reuse", "ST cached"),
                 encoding_ratio(measurement),
+                ratio_cell(runs, "group-only, no cache", "group-only, cached"),
             ]
         )
         time_rows.append([batch_size] + [time_cell(measurement, name) for name in VARIANTS])
@@ -363,6 +387,7 @@ def table(results, args):
                 "ours unsorted, no reuse / ours",
                 "ours unsorted, no reuse / ST cached",
                 "encoding: sorted / unsorted chunks",
+                "group-only: no cache / cached",
             ],
             ratio_rows,
         )

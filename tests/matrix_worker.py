@@ -29,6 +29,9 @@ UNEVEN_BATCHES = {2: [5, 11], 3: [4, 7, 13]}  # the same global batch, split une
 CHUNK_SIZE = 3  # divides no batch: the last chunk of every column is short
 CHUNK_TOKENS = 30  # two or three texts of 2-13 words: processes plan different numbers of chunks
 MATRYOSHKA_DIMS = (32, 16, 8)  # the tiny models are 32-dimensional
+FALSE_NEGATIVE_MARGIN = 0.04  # masks a few percent of the candidates of these untrained models
+GUIDE = {"model": "shared", "margin": 0.04}  # "masked" rows: a frozen guide model masks too (GIST)
+DISTILLATION = {"weight": 0.5, "temperature": 2.0}
 COLUMNS = ("anchor", "positive", "negative_1")
 WORDS = [f"w{i}" for i in range(60)]
 SEED = 1234
@@ -43,6 +46,8 @@ class Row:
     loss: str  # "one-way", "symmetric", "matryoshka"
     adapter: str  # "none", "lora", "checkpointing"
     cross: bool  # --cross_process_negatives
+    negatives: str  # "in-batch", "group" (--in_batch_negatives off)
+    extra: str  # "none", "masked" (repeated texts, a margin and a guide model), "distilled" (teacher scores)
     tolerance: float = 1e-5  # max relative difference, losses and weight updates (fp32)
 
     @property
@@ -56,12 +61,14 @@ class Row:
             self.loss,
             self.adapter,
             cross,
+            self.negatives,
+            self.extra,
         )
         return "-".join(parts)
 
 
-def flags(row, model_folder):
-    """The command-line flags of train.py that the row stands for."""
+def flags(row, model_folder, guide_folder=None):
+    """The command-line flags of train.py that the row stands for (a "masked" row's guide: `guide_folder`)."""
     chosen = ["--model", str(model_folder), "--data", "unused.jsonl", "--batch_size", 64]
     chosen += ["--chunk_tokens", CHUNK_TOKENS] if row.chunking == "tokens" else ["--chunk_size", CHUNK_SIZE]
     chosen += {"symmetric": ["--symmetric"], "one-way": []}.get(row.loss, [])
@@ -71,14 +78,26 @@ def flags(row, model_folder):
         row.adapter
     ]
     chosen += ["--cross_process_negatives"] if row.cross else []
+    chosen += ["--in_batch_negatives", "off"] if row.negatives == "group" else []
+    chosen += ["--false_negative_margin", FALSE_NEGATIVE_MARGIN] if row.extra == "masked" else []
+    if row.extra == "masked" and guide_folder:
+        chosen += ["--guide_model", guide_folder, "--guide_margin", GUIDE["margin"]]
+    if row.extra == "distilled":
+        chosen += [
+            "--distill_weight",
+            DISTILLATION["weight"],
+            "--distill_temperature",
+            DISTILLATION["temperature"],
+        ]
     return [str(flag) for flag in chosen]
 
 
 def global_batches(row):
-    """NUM_STEPS global batches of texts, {column: texts}, 2-13 words each, every text distinct."""
+    """NUM_STEPS global batches of texts, {column: texts}, 2-13 words each, every text distinct; "masked"
+    rows plant repeats (`plant_repeats`), "distilled" rows add random teacher scores, rows x (1 + k)."""
     rng = random.Random(f"{row.name}")
     size = sum(batch_sizes(row))
-    return [
+    batches = [
         {
             column: [
                 " ".join(rng.choices(WORDS, k=rng.randint(2, 13))) + f" {column[0]}{step}x{i}"
@@ -88,6 +107,40 @@ def global_batches(row):
         }
         for step in range(NUM_STEPS)
     ]
+    for batch in batches:
+        if row.extra == "masked":
+            plant_repeats(batch, row)
+        if row.extra == "distilled":
+            batch["teacher_scores"] = torch.tensor(
+                [[rng.gauss(0, 3) for _ in COLUMNS[1:]] for _ in range(size)]
+            )
+    return batches
+
+
+def plant_repeats(batch, row):
+    """In every shard: a hard negative that repeats another row's positive, one that repeats its own row's
+    positive, an anchor that repeats another; and one that repeats the next shard's first positive. Each
+    batch's "other_positives": {anchor: more right answers}, as a list of positives in the data gives."""
+    anchors, positives, negatives = (batch[column] for column in COLUMNS)
+    others, first = {}, 0
+    for size in batch_sizes(row):
+        negatives[first + 1] = positives[first + 3]
+        negatives[first + 2] = positives[first + 2]
+        anchors[first + 3] = anchors[first]
+        others[anchors[first + 1]] = [negatives[first]]  # a right answer that is some row's hard negative
+        first += size
+        negatives[first - 1] = positives[first % len(positives)]
+    batch["other_positives"] = others
+
+
+def positives_in_data(batch):
+    """{anchor: all its positives} as the data gives them: every row's, and the planted other positives."""
+    positives = {}
+    for anchor, positive in zip(batch["anchor"], batch["positive"], strict=True):
+        positives.setdefault(anchor, {positive}).add(positive)
+    for anchor, more in batch.get("other_positives", {}).items():
+        positives[anchor] |= set(more)
+    return positives
 
 
 def batch_sizes(row):
@@ -96,14 +149,18 @@ def batch_sizes(row):
 
 def shard(batch, row, rank):
     first = sum(batch_sizes(row)[:rank])
-    return {column: texts[first : first + batch_sizes(row)[rank]] for column, texts in batch.items()}
+    return {
+        column: texts[first : first + batch_sizes(row)[rank]]
+        for column, texts in batch.items()
+        if column != "other_positives"
+    }
 
 
-def load_prepared(row, model_folder, device="cpu"):
+def load_prepared(row, model_folder, device="cpu", guide_folder=None):
     """The model as train.py trains it: loaded, then prepared with the row's flags (LoRA seeded alike)."""
     import train
 
-    args = train.parse_args(flags(row, model_folder))
+    args = train.parse_args(flags(row, model_folder, guide_folder))
     model = train.load_model(args.model, device)
     torch.manual_seed(SEED)  # LoRA's initial A
     return train.prepare_model(model, args), args
@@ -138,13 +195,14 @@ def accelerator_for(row):
     return Accelerator(cpu=True, kwargs_handlers=handlers)
 
 
-def run_row(row, model_folder, out_dir):
+def run_row(row, model_folder, out_dir, guide_folder):
     import train
 
     reset_accelerate_state()
     accelerator = accelerator_for(row)
     assert accelerator.num_processes == row.processes, (accelerator.num_processes, row)
-    model, args = load_prepared(row, model_folder, str(accelerator.device))
+    model, args = load_prepared(row, model_folder, str(accelerator.device), guide_folder)
+    guide = train.load_guide(args, accelerator)
     prompts = train.role_prompts(model)
     trained = train.Towers(model, COLUMNS) if train.is_router(model) else model
     optimizer = torch.optim.SGD(
@@ -154,8 +212,12 @@ def run_row(row, model_folder, out_dir):
     engine.train()
     chunking = {"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {"chunk_size": args.chunk_size}
     loss_fn = train.loss_function(args, model)
-    losses, chunks = [], []
+    losses, chunks, masked = [], [], []
     for batch in global_batches(row):
+        positives = positives_in_data(batch)  # what train.py's positives_by_anchor reads from the data
+        known = train.positives_by_anchor(
+            {"anchor": list(positives), "positive": list(map(list, positives.values()))}
+        )
         report = train.gradient_cache_step(
             accelerator,
             engine,
@@ -165,11 +227,14 @@ def run_row(row, model_folder, out_dir):
             args,
             shard(batch, row, accelerator.process_index),
             chunking,
+            known_positives=known,
+            guide=guide,
         )
         optimizer.step()  # a no-op under DeepSpeed, which stepped inside the last accelerator.backward
         optimizer.zero_grad()
         losses.append(report.loss.item())
         chunks.append(report.num_chunks)
+        masked.append(report.stats.get("masked_fraction"))
     if row.backend.startswith("zero"):
         from deepspeed.utils import safe_get_full_fp32_param
 
@@ -178,7 +243,7 @@ def run_row(row, model_folder, out_dir):
         weights = {n: safe_get_full_fp32_param(p).cpu().clone() for n, p in named if p.requires_grad}
     else:
         weights = trainable_weights(model.named_parameters())
-    result = {"losses": losses, "chunks": chunks, "weights": weights}
+    result = {"losses": losses, "chunks": chunks, "weights": weights, "masked": masked}
     save_atomically(result, Path(out_dir) / f"{row.name}.rank{accelerator.process_index}.pt")
     reset_accelerate_state()
 
@@ -188,7 +253,7 @@ def main(out_dir, models_json, rows_json):
     models = json.loads(models_json)
     for fields in json.loads(rows_json):
         row = Row(**fields)
-        run_row(row, models[row.model], out_dir)
+        run_row(row, models[row.model], out_dir, models[GUIDE["model"]])
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

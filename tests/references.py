@@ -116,14 +116,16 @@ class StageOneRecorder:
 
 
 def masked_contrastive_loss(anchor, positive, *negatives, scale=20.0, symmetric=False, ids=None, margin=None,
-                            relative=False):  # fmt: skip
+                            relative=False, other_positives=None):  # fmt: skip
     """InfoNCE (cosine) through the full score matrix, with false negatives masked by a direct rule, entry
     by entry: returns (loss, fraction of non-target candidates masked).
 
     Row i's candidate j (never its own target) is masked when its text repeats row i's positive, when it is
     the positive of a row whose anchor repeats row i's anchor, or when its similarity exceeds row i's
-    positive similarity + margin (x margin if relative). The reverse direction (positive i against every
-    anchor j) masks an anchor that repeats anchor i or whose positive repeats positive i, and the same margin.
+    positive similarity + margin (x margin if relative), or when its text is one of `other_positives[i]`
+    (row i's other right answers). The reverse direction (positive i against every anchor j) masks an anchor
+    that repeats anchor i, whose positive repeats positive i, or among whose other positives positive i is,
+    and the same margin.
     """
     columns = [F.normalize(column, dim=-1) for column in (anchor, positive, *negatives)]
     anchor, positive = columns[:2]
@@ -142,11 +144,15 @@ def masked_contrastive_loss(anchor, positive, *negatives, scale=20.0, symmetric=
             margin is not None and similarity > threshold(i)
         )
 
+    others = [[int(i) for i in row] for row in other_positives] if other_positives is not None else None
+
     def forward_duplicate(i, j):
-        return id_of[j] == int(ids[1][i]) or (j < batch and int(ids[0][j]) == int(ids[0][i]))
+        repeated = id_of[j] == int(ids[1][i]) or (j < batch and int(ids[0][j]) == int(ids[0][i]))
+        return repeated or (others is not None and id_of[j] in others[i])
 
     def reverse_duplicate(i, j):
-        return int(ids[0][j]) == int(ids[0][i]) or int(ids[1][j]) == int(ids[1][i])
+        repeated = int(ids[0][j]) == int(ids[0][i]) or int(ids[1][j]) == int(ids[1][i])
+        return repeated or (others is not None and int(ids[1][i]) in others[j])
 
     directions = [(anchor, candidates, forward_duplicate)]
     if symmetric:
@@ -161,3 +167,86 @@ def masked_contrastive_loss(anchor, positive, *negatives, scale=20.0, symmetric=
         losses.append(F.cross_entropy((scale * similarity).masked_fill(mask, -torch.inf), labels))
         masked_count, seen = masked_count + int(mask.sum()), seen + batch * (len(keys) - 1)
     return sum(losses) / len(losses), masked_count / seen
+
+
+def reference_objective(anchor, positive, *negatives, texts, in_batch=True, symmetric=False,
+                        matryoshka_dims=None, scale=20.0, positives_of=None, margin=None, teacher=None,
+                        distill_weight=1.0, temperature=1.0, guide=None, guide_margin=0.0):  # fmt: skip
+    """Every loss of train.py on cosine scores, from the definitions, through the materialized score matrix.
+
+    Each anchor's candidates are every positive and hard negative of the batch (`in_batch`), or only its
+    own positive and hard negatives. A candidate other than its own positive is masked, entry by entry, when
+    its text is a right answer of the anchor's text (`positives_of[anchor text]`: every positive that text
+    has in the data), or its similarity exceeds the positive's + `margin`. The reverse direction
+    (`symmetric`: positive i against every anchor) masks anchors with the same text as anchor i, or of which
+    positive i is a right answer, and the same margin. With `matryoshka_dims`, the sum over the renormalized
+    prefixes. `teacher` (rows x group scores) adds distill_weight x KL(teacher softmax || student softmax)
+    at `temperature` over each anchor's own group, on the full representations, averaged over the rows.
+    `guide` (a guide model's representations of every column) masks, in both directions, what the guide
+    scores (cosine) above its score of the row's anchor and positive + `guide_margin`.
+    texts: the texts of every column, to read the masks from.
+    """
+    columns = [anchor, positive, *negatives]
+    rows, groups = len(anchor), len(columns) - 1
+    anchor_texts, positive_texts = texts[0], texts[1]
+
+    def right_answer(anchor_text, text):
+        return positives_of is not None and text in positives_of.get(anchor_text, ())
+
+    guide = None if guide is None else [F.normalize(g.float(), dim=-1) for g in guide]
+
+    def guide_score(query, i, key, j):
+        return float(guide[query][i] @ guide[key][j])
+
+    def guided(i, query, key, j):  # (column, row) of the query and of the key
+        return guide is not None and guide_score(query, i, key, j) > guide_score(0, i, 1, i) + guide_margin
+
+    def cross_entropy(scores, targets, is_masked, is_guided):
+        similarity = scores.detach()
+
+        def masked(i, j):
+            above = margin is not None and bool(similarity[i, j] > similarity[i, targets[i]] + margin)
+            return j != targets[i] and (is_masked(i, j) or above or is_guided(i, j))
+
+        mask = torch.tensor([[masked(i, j) for j in range(scores.shape[1])] for i in range(len(scores))])
+        return F.cross_entropy((scale * scores).masked_fill(mask, -torch.inf), torch.tensor(targets))
+
+    def one_size(anchor, positive, *negatives):
+        if not in_batch:
+            group = torch.stack([positive, *negatives], dim=1)  # rows x (1 + k) x d
+            scores = (anchor[:, None, :] * group).sum(-1)
+            return cross_entropy(
+                scores,
+                [0] * rows,
+                lambda i, j: right_answer(anchor_texts[i], texts[1 + j][i]),
+                lambda i, j: guided(i, 0, 1 + j, i),
+            )
+        candidate_texts = [text for column in texts[1:] for text in column]
+        loss = cross_entropy(
+            anchor @ torch.cat([positive, *negatives]).T,
+            list(range(rows)),
+            lambda i, j: right_answer(anchor_texts[i], candidate_texts[j]),
+            lambda i, j: guided(i, 0, 1 + j // rows, j % rows),
+        )
+        if not symmetric:
+            return loss
+        reverse = cross_entropy(
+            positive @ anchor.T,
+            list(range(rows)),
+            lambda i, j: (
+                anchor_texts[j] == anchor_texts[i] or right_answer(anchor_texts[j], positive_texts[i])
+            ),
+            lambda i, j: guided(i, 1, 0, j),
+        )
+        return (loss + reverse) / 2
+
+    dims = matryoshka_dims or [anchor.shape[-1]]
+    loss = sum(one_size(*[F.normalize(column[:, :dim], dim=-1) for column in columns]) for dim in dims)
+    if teacher is not None:
+        anchor, *candidates = [F.normalize(column, dim=-1) for column in columns]
+        student = torch.stack([scale * (anchor * column).sum(-1) for column in candidates], 1) / temperature
+        target = torch.softmax(torch.as_tensor(teacher, dtype=student.dtype) / temperature, dim=1)
+        kl = (target * (target.log() - torch.log_softmax(student, dim=1))).sum(1)
+        assert kl.shape == (rows,) and target.shape[1] == groups
+        loss = loss + distill_weight * kl.mean()
+    return loss

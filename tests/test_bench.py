@@ -94,6 +94,8 @@ def test_speed_compares_equal_work_and_times_every_variant(smoke_run):
         "ours, unsorted, no reuse",
         "ST cached, token budget",
         "ours, token budget",
+        "group-only, cached",
+        "group-only, no cache",
     }
     for name, runs in measurement["runs"].items():
         assert len(runs) == saved["settings"]["rounds"] == len(measurement["parts"][name])

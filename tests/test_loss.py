@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from references import masked_contrastive_loss, materialized_contrastive_loss
+from references import masked_contrastive_loss, materialized_contrastive_loss, reference_objective
 from test_gradcache import max_relative_difference, random_texts, tiny_sentence_transformer
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -55,10 +55,10 @@ def summed_shares(loss_fn, reps, bounds):
     return sum(loss for loss, _ in shares), [sum(g) for g in zip(*[g for _, g in shares], strict=True)]
 
 
-def assert_close(actual, expected):
+def assert_close(actual, expected, tolerance=TOLERANCE):
     (loss, grads), (ref_loss, ref_grads) = actual, expected
-    assert abs(float(loss - ref_loss)) <= TOLERANCE * abs(float(ref_loss))
-    assert relative_gradient_difference(grads, ref_grads) <= TOLERANCE
+    assert abs(float(loss - ref_loss)) <= tolerance * abs(float(ref_loss))
+    assert relative_gradient_difference(grads, ref_grads) <= tolerance
 
 
 @pytest.mark.parametrize("tile_size", [5, 64, None], ids=["tile-5", "tile-over-batch", "tile-automatic"])
@@ -282,6 +282,35 @@ def test_false_negatives_masked_tile_by_tile_equal_the_masked_matrix(by, symmetr
     assert abs(float(tiled[0] - unmasked[0])) > 1e-3  # and masking changes the loss
 
 
+@pytest.mark.parametrize("symmetric", [False, True], ids=["one-way", "symmetric"])
+def test_an_anchors_other_positives_are_masked_too(symmetric):
+    """Texts that are right answers of a row's anchor without being its positive in this batch (another of
+    its positives in the data) leave the row's softmax; -1 fills the rows with fewer."""
+    reps, ids = [rep.detach() for rep in make_reps(2)], duplicated_ids(2)
+    others = torch.full((BATCH, 3), -1)
+    others[0, :2] = torch.stack([ids[2][5], ids[3][9]])  # hard negatives of other rows
+    others[7, 0], others[8, 2] = ids[1][20], ids[1][7]  # positives of other rows, one of them 7's own
+    # Right answers look like it: each close to the anchor that it answers, so its softmax weight counts.
+    reps[2][5], reps[3][9], reps[1][20], reps[1][7] = reps[0][0], reps[0][0], reps[0][7], reps[0][8]
+    reps = [rep.requires_grad_() for rep in reps]
+    spec = gradcache.FalseNegatives(ids=ids, other_positives=others)
+    stats = {}
+    loss_fn = functools.partial(gradcache.contrastive_loss, symmetric=symmetric, tile_size=5)
+    tiled = value_and_gradients(loss_fn, reps, false_negatives=spec, stats=stats)
+    fractions = {}
+
+    def reference(*columns):
+        loss, fractions["reference"] = masked_contrastive_loss(
+            *columns, symmetric=symmetric, ids=ids, other_positives=others.tolist()
+        )
+        return loss
+
+    assert_close(tiled, value_and_gradients(reference, reps))
+    assert stats["masked_fraction"] == pytest.approx(fractions["reference"], abs=1e-12)
+    without_others = value_and_gradients(loss_fn, reps, false_negatives=gradcache.FalseNegatives(ids=ids))
+    assert relative_gradient_difference(tiled[1], without_others[1]) > 1e-3  # they leave the softmax
+
+
 def test_masked_local_rows_sum_to_the_whole_masked_loss():
     """Across processes each computes its own rows against every candidate: ids and thresholds are global."""
     reps = reps_with_near_duplicates(1)
@@ -348,3 +377,102 @@ def test_stats_report_in_batch_accuracy_and_the_loss_of_each_matryoshka_size():
     assert float(loss) == pytest.approx(
         sum(float(value) for value in stats["matryoshka_losses"].values()) * 17 / BATCH
     )
+
+
+# ---- without in-batch negatives: each anchor against its own group ----
+
+
+def texts_of(ids):
+    """Texts standing for ids, and {anchor text: its right answers}: the positives of every row with that
+    anchor (what train.py's positives_by_anchor collects from the data), as the reference reads masks."""
+    texts = [[f"t{int(i)}" for i in column] for column in ids]
+    positives_of = {}
+    for anchor, positive in zip(texts[0], texts[1], strict=True):
+        positives_of.setdefault(anchor, set()).add(positive)
+    return texts, positives_of
+
+
+@pytest.mark.parametrize("matryoshka_dims", [None, (16, 8)], ids=["full", "matryoshka"])
+@pytest.mark.parametrize("extra", ["none", "masked", "distilled"])
+def test_group_loss_equals_the_reference_and_splits_by_rows(extra, matryoshka_dims):
+    """group_loss row by row against the materialized group loss; the terms of a partition of the rows sum to
+    the whole (what group_step back-propagates chunk by chunk)."""
+    reps, ids = make_reps(2), duplicated_ids(2)  # random: a loss of order 1, not one cancelled to 1e-3
+    ids[2][:3] = ids[1][:3]  # hard negatives that repeat their own row's positive
+    texts, positives_of = texts_of(ids)
+    # Every row's right answers, as ids: the positives of the rows that share its anchor (-1 fills).
+    answers = [[int(j) for j in ids[1][ids[0] == a]] for a in ids[0]]
+    others = torch.tensor([row + [-1] * (max(map(len, answers)) - len(row)) for row in answers])
+    teacher = torch.randn(BATCH, 3, generator=torch.Generator().manual_seed(2)) * 3
+    options = dict(matryoshka_dims=matryoshka_dims)
+    if extra == "masked":
+        options["false_negatives"] = gradcache.FalseNegatives(ids=ids, margin=-0.1, other_positives=others)
+    if extra == "distilled":
+        options |= dict(teacher_scores=teacher, distill_weight=0.7, distill_temperature=2.0)
+    stats = {}
+
+    def ours(*columns):
+        return gradcache.group_loss(*columns, stats=stats, **options).sum() / BATCH
+
+    def reference(*columns):
+        return reference_objective(
+            *columns, texts=texts, in_batch=False, matryoshka_dims=matryoshka_dims,
+            positives_of=positives_of if extra == "masked" else None,
+            margin=-0.1 if extra == "masked" else None,
+            teacher=teacher if extra == "distilled" else None, distill_weight=0.7, temperature=2.0,
+        )  # fmt: skip
+
+    whole = value_and_gradients(ours, reps)
+    # 1e-5: a masked group keeps few candidates, its loss LSE - s_0 falls to 1e-2 and its fp32 rounding
+    # (of terms of order 20) to 1e-6 of that.
+    assert_close(whole, value_and_gradients(reference, reps), tolerance=1e-5)
+    if extra == "masked":
+        assert 0 < stats["masked_fraction"] < 1
+    chunks = [torch.arange(0, 13), torch.arange(13, 30), torch.arange(30, 37)]
+
+    def by_chunks(*columns):
+        return (
+            sum(
+                gradcache.group_loss(*[c[rows] for c in columns], rows=rows, **options).sum()
+                for rows in chunks
+            )
+            / BATCH
+        )
+
+    assert_close(value_and_gradients(by_chunks, reps), whole, tolerance=1e-5)
+
+
+# ---- a guide model's scores choose the mask (GIST) ----
+
+
+@pytest.mark.parametrize("negatives", ["in-batch-one-way", "in-batch-symmetric", "group"])
+def test_guide_scores_mask_what_the_guide_ranks_above_the_positive(negatives):
+    """Candidates a frozen guide scores above its score of the row's positive (+ margin) leave the softmax,
+    in both directions; the guide's representations have their own width, and get no gradient."""
+    reps = make_reps(2)
+    generator = torch.Generator().manual_seed(9)
+    guide = [torch.randn(BATCH, 8, generator=generator) for _ in reps]
+    guide[1] = guide[0] + 0.8 * guide[1]  # the guide's positives close to its anchors: few masked
+    spec = gradcache.FalseNegatives(guide=guide, guide_margin=0.05)
+    texts = [
+        [f"{c}-{i}" for i in range(BATCH)] for c in range(len(reps))
+    ]  # all distinct: only the guide masks
+    symmetric = negatives == "in-batch-symmetric"
+    stats = {}
+    if negatives == "group":
+
+        def ours(*columns):
+            return gradcache.group_loss(*columns, false_negatives=spec, stats=stats).sum() / BATCH
+    else:
+        ours = functools.partial(
+            gradcache.contrastive_loss, symmetric=symmetric, tile_size=6, false_negatives=spec, stats=stats
+        )
+
+    def reference(*columns):
+        return reference_objective(
+            *columns, texts=texts, in_batch=negatives != "group", symmetric=symmetric, guide=guide,
+            guide_margin=0.05,
+        )  # fmt: skip
+
+    assert_close(value_and_gradients(ours, reps), value_and_gradients(reference, reps), tolerance=1e-5)
+    assert 0 < stats["masked_fraction"] < 0.5
