@@ -76,7 +76,6 @@ class StepReport:
     num_reencoded: int  # chunks encoded again in stage 3 (num_chunks minus the kept group)
     rep_grad_norm: float  # norm of the cached representation gradients, all columns together
     skipped: bool = False  # the loss or its representation gradients were not finite: nothing back-propagated
-    stats: dict = dataclasses.field(default_factory=dict)  # for the trainer to log (what its loss reported)
 
 
 def gradcache_step(
@@ -333,7 +332,8 @@ def group_step(
     encoder, since a chunk's columns must then go through one forward before its backward (train.Towers).
     Only the last chunk's backward synchronizes; the processes agree on an out-of-memory or a loss that is
     not finite before it (then nothing more is back-propagated and the report says `skipped`: the trainer
-    must not step on the partial gradients).
+    must not step on the partial gradients, and must clear them; DeepSpeed's own buffers cannot be cleared,
+    so train.py stops there).
     """
     columns = list(columns)
     encoders = [encode_group] * len(columns) if encode_group is not None else encoders

@@ -1403,6 +1403,15 @@ def main(args):
             with accelerator.accumulate(engine):
                 report, chunking = step_with_back_off(step, batch, chunking, args, accelerator, optimizer)
             bad_window |= report.skipped  # a loss not finite: gradcache back-propagated nothing, anywhere
+            if report.skipped and deepspeed and args.in_batch_negatives == "off":
+                # group_step learns the loss is not finite only at the last chunk, once the others are
+                # back-propagated: into DeepSpeed's gradient buffers, which no skipped step clears.
+                fail(
+                    f"step {progress.global_step + 1}: the loss was not finite, and without in-batch "
+                    "negatives DeepSpeed already holds the gradients of its first chunks, which would "
+                    "leak into the next step. Resume from the last checkpoint "
+                    f"({last_checkpoint or 'none was saved'}) with a lower --lr, or check the data."
+                )
             if accelerator.sync_gradients:
                 # The optimizer step. A bad step, a loss or gradient norm not finite (the norm taken after
                 # DDP's all-reduce: every process decides alike), is never unscaled nor applied;

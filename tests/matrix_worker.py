@@ -218,6 +218,7 @@ def run_row(row, model_folder, out_dir, guide_folder):
         known = train.positives_by_anchor(
             {"anchor": list(positives), "positive": list(map(list, positives.values()))}
         )
+        stats = {}  # what train.py logs: the masked fraction among them
         report = train.gradient_cache_step(
             accelerator,
             engine,
@@ -227,6 +228,7 @@ def run_row(row, model_folder, out_dir, guide_folder):
             args,
             shard(batch, row, accelerator.process_index),
             chunking,
+            stats=stats,
             known_positives=known,
             guide=guide,
         )
@@ -234,7 +236,7 @@ def run_row(row, model_folder, out_dir, guide_folder):
         optimizer.zero_grad()
         losses.append(report.loss.item())
         chunks.append(report.num_chunks)
-        masked.append(report.stats.get("masked_fraction"))
+        masked.append(stats["masked_fraction"])
     if row.backend.startswith("zero"):
         from deepspeed.utils import safe_get_full_fp32_param
 

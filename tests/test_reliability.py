@@ -240,6 +240,30 @@ def test_a_non_finite_step_never_reaches_the_weights(processes, tmp_path, data, 
         assert f"step {step}: loss or gradient not finite, update skipped" in done.stdout + done.stderr
 
 
+@pytest.mark.parametrize("config", ["cpu.yaml", "deepspeed_zero2.yaml"])
+def test_a_non_finite_step_without_in_batch_negatives(config, tmp_path, data, model_without_dropout):
+    """group_step finds the loss not finite only at its last chunk, the first chunks back-propagated: on the
+    CPU the step is skipped and its gradients cleared, so the weights stay those of step 1; under DeepSpeed,
+    whose buffers already hold them, the run stops naming the checkpoint before."""
+    args = ("--model", model_without_dropout, "--data", data[0], "--max_steps", 2, "--save_steps", 1)
+    args += ("--in_batch_negatives", "off")
+    env = {"PYTHONPATH": f"{FAULTS}{os.pathsep}{Path(__file__).parents[1]}", "GRADCACHE_FAULT_NAN": "2"}
+    done = launch(CONFIGS / config, tmp_path, *RUN, *args, env=env, check=config == "cpu.yaml")
+    if config == "cpu.yaml":
+        assert "step 2: loss or gradient not finite, update skipped" in done.stdout + done.stderr
+        step_1 = checkpoint_weights(tmp_path / "checkpoints" / "step_1")  # of train.Towers: "model." first
+        final = weights(tmp_path / "final")
+        assert all(torch.equal(final[name.removeprefix("model.")], step_1[name]) for name in step_1)
+        return
+    assert done.returncode != 0
+    assert (
+        "step 2: the loss was not finite, and without in-batch negatives DeepSpeed already holds the "
+        "gradients of its first chunks, which would leak into the next step. Resume from the last checkpoint "
+        f"({tmp_path / 'checkpoints' / 'step_1'})"
+    ) in done.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
+
+
 def test_steps_non_finite_in_a_row_stop_the_run_naming_the_last_checkpoint_before_them(
     tmp_path, data, model_without_dropout
 ):

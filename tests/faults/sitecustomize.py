@@ -6,7 +6,8 @@ this module at start-up. Without a GRADCACHE_FAULT_* variable it does nothing.
   GRADCACHE_FAULT_KILL=<before|during|after>:<n>   SIGKILL at the n-th checkpoint: before it is written,
                                                    half-way through (model written, optimizer not), or
                                                    right after it is published
-  GRADCACHE_FAULT_NAN=<b>[,<b>...]                 a NaN loss at these gradcache steps (1-based count)
+  GRADCACHE_FAULT_NAN=<b>[,<b>...]                 a NaN loss at these gradcache steps (1-based count;
+                                                   group_step's steps count alike)
   GRADCACHE_FAULT_INF=<b>[,<b>...]                 infinite parameter gradients at these steps
   GRADCACHE_FAULT_OOM_ABOVE=<n>                    chunks over n examples raise torch.OutOfMemoryError in
                                                    their backward, as a GPU would
@@ -97,7 +98,7 @@ def install_step_faults():
     import gradcache
 
     cache, backpropagate = gradcache.cache_representation_gradients, gradcache.backpropagate_cache
-    gradcache_step = gradcache.gradcache_step
+    gradcache_step, group_step = gradcache.gradcache_step, gradcache.group_step
     step = {"count": 0, "forwards": 0}
     oom_above = int(FAULTS.get("GRADCACHE_FAULT_OOM_ABOVE", 0))
     oom_forward = int(FAULTS.get("GRADCACHE_FAULT_OOM_FORWARD", 0))
@@ -119,6 +120,18 @@ def install_step_faults():
         if step["count"] in steps("GRADCACHE_FAULT_NAN"):
             return loss * float("nan"), [g * float("nan") for g in rep_grads]
         return loss, rep_grads
+
+    def faulty_group_step(encoders, columns, loss_fn, *args, **kwargs):
+        step["count"] += 1
+        if step["count"] in steps("GRADCACHE_FAULT_NAN"):
+            return group_step(
+                encoders,
+                columns,
+                lambda *reps, **options: loss_fn(*reps, **options) * float("nan"),
+                *args,
+                **kwargs,
+            )
+        return group_step(encoders, columns, loss_fn, *args, **kwargs)
 
     def faulty_backpropagate(group, reps, rep_grads, backward):
         if oom_above and max(len(chunk.index) for chunk in group) > oom_above:
@@ -143,6 +156,7 @@ def install_step_faults():
         signal_step = 0
     gradcache.cache_representation_gradients = faulty_cache
     gradcache.backpropagate_cache = faulty_backpropagate
+    gradcache.group_step = faulty_group_step
     if oom_forward:
         gradcache.gradcache_step = faulty_step
 
