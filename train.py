@@ -2037,14 +2037,14 @@ def smaller_chunk(error, chunking, args, accelerator):
         os._exit(2)
     if value == 1:
         fail(f"{error} Even one example per chunk does not fit: lower --max_seq_length, or offload (ZeRO-3).")
-    if not args.auto_chunk_size:
-        fail(f"{error} Relaunch with --{name} {value // 2}, or add --auto_chunk_size to halve it on the fly.")
     # ZeRO-2/3 reduce every backward into buffers that zero_grad does not clear: a redo could count twice.
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         fail(
-            f"{error} --auto_chunk_size cannot redo a step under DeepSpeed: relaunch with --{name} "
-            f"{value // 2}."
+            f"{error} Relaunch with --{name} {value // 2} (--auto_chunk_size cannot redo a step under "
+            "DeepSpeed)."
         )
+    if not args.auto_chunk_size:
+        fail(f"{error} Relaunch with --{name} {value // 2}, or add --auto_chunk_size to halve it on the fly.")
     accelerator.print(f"out of memory with --{name} {value}: redoing the batch with {value // 2}")
     return {name: value // 2}
 

@@ -350,8 +350,10 @@ def test_architectures_train_and_save(tmp_path, data, kind, config, flags):
     model = build_tiny_model(tmp_path, dropout=0.1, kind=kind)
     processes = 1 if config == "cpu.yaml" else 2
     config = zero3_partitioning_everything(tmp_path) if config.startswith("zero3") else CONFIGS / config
+    # ZeRO-3 evaluates in tests/test_train.py: here every evaluation's forward would gather the whole model
+    dev = ("--dev_data", data[1]) if processes == 1 else ()
     launch(
-        config, tmp_path / "run", "--model", model, "--data", data[0], "--dev_data", data[1],
+        config, tmp_path / "run", "--model", model, "--data", data[0], *dev,
         "--batch_size", 8, "--chunk_size", 3, "--max_steps", 2, "--lr", 1e-2, "--wandb_mode", "disabled",
         *flags, processes=processes,
     )  # fmt: skip

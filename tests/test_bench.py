@@ -123,27 +123,41 @@ def test_memory_cap_stops_plain_where_ours_still_fits(smoke_run):
     assert "largest batch that fit" in markdown
 
 
-def test_quality_runs_every_comparison_through_train_py_and_scores_the_dev_split(smoke_run, results_dir):
+def test_quality_trains_through_train_py_with_and_without_masks_and_scores_the_dev_split(
+    smoke_run, results_dir
+):
     saved, markdown = smoke_run("quality")
     settings, results = saved["settings"], saved["results"]
     assert 0 < results["before"]["mrr@10"] <= 1
-    small, large = settings["batch_sizes"]
-    steps_of_large_epoch = settings["train_examples"] // large
-    runs = {(run["comparison"], run["batch_size"]): run for run in results["runs"]}
-    assert len(runs) == len(results["runs"]) == 4 * len(settings["seeds"])
-    # equal epochs: the same examples; equal steps: the steps of the largest batch's epoch
-    assert runs["equal epochs", small]["examples"] == runs["shared", large]["examples"]
-    assert runs["equal steps", small]["optimizer_steps"] == runs["shared", large]["optimizer_steps"]
-    assert runs["shared", large]["optimizer_steps"] == steps_of_large_epoch
-    assert runs["equal epochs", small]["optimizer_steps"] == settings["train_examples"] // small
-    assert runs["masks", large]["flags"] == settings["mask_flags"] and not runs["shared", large]["flags"]
+    (batch,) = settings["batch_sizes"]
+    runs = {run["comparison"]: run for run in results["runs"]}
+    assert sorted(runs) == ["masks", "shared"] and len(results["runs"]) == 2
+    assert runs["masks"]["flags"] == settings["mask_flags"] and not runs["shared"]["flags"]
     for run in results["runs"]:
+        assert run["optimizer_steps"] == settings["train_examples"] // batch  # as train.py printed it
         assert 0 < run["mrr@10"] <= 1 and run["train_seconds"] > 0
     # scored from train.py's saved models, which are deleted once scored
     assert not any((results_dir / "tmp" / "quality_smoke").iterdir())
     assert "**Verdicts**" in markdown and markdown.count("one seed: no verdict") == 3
     overlap = results["overlap"]
     assert 0 <= overlap["dev_pairs_in_train"] <= overlap["dev_anchors_in_train"] <= overlap["dev_records"]
+
+
+def test_quality_plans_equal_epochs_equal_steps_and_masks():
+    import argparse
+
+    import quality
+
+    args = argparse.Namespace(batch_sizes=[128, 32, 512], train_examples=4096, mask_flags="--masks")
+    # the largest batch takes 4096 / 512 = 8 steps: the steps every equal-steps run takes
+    assert quality.planned_runs(args) == [
+        ("equal epochs", 32, 4096, ""),
+        ("equal epochs", 128, 4096, ""),
+        ("shared", 512, 4096, ""),
+        ("equal steps", 32, 32 * 8, ""),
+        ("equal steps", 128, 128 * 8, ""),
+        ("masks", 512, 4096, "--masks"),
+    ]
 
 
 def test_quality_verdicts_weigh_the_difference_against_the_seed_spread():

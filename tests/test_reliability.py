@@ -307,12 +307,7 @@ def test_out_of_memory_halves_the_chunk_and_keeps_the_gradients(
 ):
     args = ("--model", model_without_dropout, "--data", data[0], "--max_steps", 2, "--chunk_size", 4)
     faults = {"GRADCACHE_FAULT_OOM_ABOVE": "2"} | ({"GRADCACHE_FAULT_RANK": "1"} if processes == 2 else {})
-    if processes == 1:
-        stopped = launch_with_faults(tmp_path / "stop", *args, faults=faults, check=False)
-        assert stopped.returncode != 0
-        assert "ran out of memory" in stopped.stderr and "chunk size of 2 or less" in stopped.stderr
-        assert "--auto_chunk_size" in stopped.stderr
-
+    # Without --auto_chunk_size the run stops, naming both ways out: tests/test_chunks.py, in this process.
     launch_with_faults(tmp_path / "auto", *args, "--auto_chunk_size", faults=faults, processes=processes)
     launch_with_faults(tmp_path / "small", *args[:-2], "--chunk_size", 2, processes=processes)
     auto, small = weights(tmp_path / "auto" / "final"), weights(tmp_path / "small" / "final")
