@@ -19,7 +19,7 @@ The verdict of each comparison is computed: the difference of the mean MRR@10 ag
 that difference over seeds; beyond twice the standard error it is called better or worse, otherwise no
 difference beyond the seed-to-seed spread.
 
-    python bench/quality.py                             # CPU: about an hour on 2 idle cores
+    python bench/quality.py                             # CPU: about an hour on 2 idle cores (estimated)
     python bench/quality.py --device cuda --preset gpu  # one GPU: more data, larger batches
     python bench/quality.py --preset smoke              # seconds: the test suite runs this
 
