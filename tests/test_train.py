@@ -469,13 +469,15 @@ def test_a_bad_data_file_stops_the_launch_before_training(tmp_path, data, model_
     assert line.startswith("train.py: error:") and "returned non-zero exit status 2." in done.stderr
 
 
-def test_max_grad_norm_0_trains_unclipped_and_logs_the_norm(tmp_path, data, model_without_dropout):
+def test_max_grad_norm_0_trains_unclipped_and_logs_the_norm(
+    tmp_path, data, model_without_dropout, monkeypatch
+):
     """0 is no clipping, as DeepSpeed reads it: torch's clipping to 0 zeroed every gradient, so the weights
     stayed put (no weight decay here) while the log showed the norm."""
-    launch(
-        CONFIGS / "cpu.yaml", tmp_path, "--model", model_without_dropout, "--data", data[0],
+    run_main(
+        monkeypatch, "--output_dir", tmp_path, "--model", model_without_dropout, "--data", data[0],
         "--batch_size", 8, "--chunk_size", 4, "--max_steps", 2, "--lr", 1e-3, "--weight_decay", 0,
-        "--max_grad_norm", 0, "--save_steps", 0, "--wandb_mode", "disabled",
+        "--max_grad_norm", 0, "--save_steps", 0,
     )  # fmt: skip
     norms = [value for _, value in logged_scalars(tmp_path)["train/grad_norm"]]
     assert len(norms) == 2 and all(0 < norm < float("inf") for norm in norms)
@@ -731,19 +733,20 @@ def test_a_second_run_into_the_same_folder_is_refused_unless_overwrite(
 ):
     common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", "", "--batch_size", 8)
     common += ("--chunk_size", 4, "--max_steps", 1, "--wandb_mode", "disabled")
-    launch(CONFIGS / "cpu.yaml", tmp_path, *common)
+    common += ("--output_dir", tmp_path)
+    run_main(monkeypatch, *common)  # in this process: launches cost the suite its time
     first = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
     assert tmp_path / "final" / "model.safetensors" in first
 
-    second = launch(CONFIGS / "cpu.yaml", tmp_path, *common, "--lr", 1e-3, check=False)
-    assert second.returncode != 0
+    with pytest.raises(SystemExit) as refused:
+        run_main(monkeypatch, *common, "--lr", 1e-3)
     refusal = f"{tmp_path} holds a previous run (final/ and checkpoints/). Continue it with"
-    assert refusal in second.stderr and "--resume_from_checkpoint" in second.stderr
-    assert "--overwrite" in second.stderr
+    assert refusal in str(refused.value) and "--resume_from_checkpoint" in str(refused.value)
+    assert "--overwrite" in str(refused.value)
     assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == first
 
     before = weights(tmp_path / "final")
-    run_main(monkeypatch, *common, "--lr", 1e-3, "--output_dir", tmp_path, "--overwrite")
+    run_main(monkeypatch, *common, "--lr", 1e-3, "--overwrite")
     assert max_difference(weights(tmp_path / "final"), before) > 0  # the second run's model
 
 
