@@ -35,7 +35,8 @@ loop with the optimizer step), and two appendices: checkpoints, and the out-of-m
 by tests/ and bench/, so kept as they are: parse_args, main, load_data, load_pairs, hub_out_of_reach,
 make_loader, build_evaluator, load_model, prepare_model, role_prompts, tokenize, Towers, is_router,
 loss_function, gradient_cache_step, save_checkpoint, set_peak_learning_rate, step_with_back_off; and for
-issue 18's tools text_id, positives_by_anchor, load_guide, PositiveDraws, text_columns.
+issue 18's tools text_id, positives_by_anchor, load_guide, PositiveDraws, text_columns, source_settings,
+training_module.
 """
 
 import argparse
@@ -140,6 +141,18 @@ class ArgumentParser(argparse.ArgumentParser):
         fail(message)
 
 
+class PerSource(argparse.Action):
+    """A flag that takes one value, for every --data source, or one value per source (in --data's order):
+    one is kept as it is, several as a list. `source_settings` deals them out."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values[0] if len(values) == 1 else values)
+
+
+def per_source(**kwargs):
+    return dict(nargs="+", action=PerSource, **kwargs)
+
+
 parser = ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
 add = parser.add_argument
 # Model
@@ -156,8 +169,18 @@ add(
     "there, refused elsewhere; default: the model's",
 )
 add("--max_seq_length", type=int, default=None, help="truncate texts to N tokens; default: the model's")
-add("--query_prompt", default=None, help='prepended to anchors, e.g. "query: "; default: the model\'s own')
-add("--document_prompt", default=None, help="prepended to positives and negatives; default: the model's")
+add(
+    "--query_prompt",
+    default=None,
+    help='prepended to anchors, e.g. "query: " ("" for none); default: the model\'s own',
+    **per_source(),
+)
+add(
+    "--document_prompt",
+    default=None,
+    help="prepended to positives and negatives; default: the model's",
+    **per_source(),
+)
 add("--similarity", choices=["cos", "dot"], default=None, help="of the loss; default: the model's")
 add("--lora_r", type=int, default=0, help="train a LoRA adapter of this rank instead of all the weights")
 add("--lora_alpha", type=float, default=None, help="LoRA scaling numerator; default: 2 * --lora_r")
@@ -171,14 +194,35 @@ add(
     default=DEFAULT_TRAIN,
     help="a .jsonl, .json (JSON lines or an array of records), .csv, .tsv or .parquet file (optionally .gz), "
     "a folder or glob of them (shards/*.jsonl), a save_to_disk folder, or a hub data set; folder or "
-    "name[:split]",
+    "name[:split]. Several sources: each optimizer step draws its whole batch, on every process, from one; "
+    "--columns, the prompts, --in_batch_negatives and --distill_weight then take one value or one per source",
+    **per_source(),
+)
+add(
+    "--data_weights",
+    type=float,
+    nargs="+",
+    default=None,
+    help="one per --data source: each step draws its source with these odds; default: each source read once "
+    "per epoch, the steps in a seeded order (odds proportional to size)",
+)
+add(
+    "--data_sampling",
+    choices=["proportional", "round_robin"],
+    default="proportional",
+    help="round_robin: the sources in turn, step after step, the smaller ones repeated",
 )
 add(
     "--dev_data",
     default=None,
     help="held-out pairs, same forms, or a BEIR folder[:split] ('' for none); default: the bundled dev split",
 )
-add("--columns", default="", help="fields to roles: anchor=q,positive=a,negatives=n1+n2 (default: negative*)")
+add(
+    "--columns",
+    default="",
+    help="fields to roles: anchor=q,positive=a,negatives=n1+n2 (default: negative*)",
+    **per_source(),
+)
 add("--dev_columns", default=None, help="the same for --dev_data; default: --columns")
 add(
     "--skip_bad_records",
@@ -212,6 +256,7 @@ add(
     default="on",
     help="off: each anchor against its own positive and hard negatives only; chunks are then back-propagated "
     "directly, without the cache's second forward",
+    **per_source(),
 )
 add("--symmetric", action="store_true", help="add the positive -> anchor direction to the loss")
 add(
@@ -227,6 +272,7 @@ add(
     type=float,
     default=0.0,
     help="add W x the KL divergence to a teacher's scores (fields pos_scores, neg_scores); default 0: off",
+    **per_source(),
 )
 add("--distill_temperature", type=float, default=1.0, help="of the teacher's and the student's softmax")
 add(
@@ -358,10 +404,27 @@ def parse_args(argv=None):
             "batches of an accumulation window. Raise --batch_size instead of --gradient_accumulation_steps: "
             "with Gradient Cache a bigger batch costs no memory."
         )
-    if args.dev_columns is None:
-        args.dev_columns = args.columns
-    for columns in (args.columns, args.dev_columns):  # read here, to fail before anything is loaded
-        role_fields(columns, available=())
+    sources = len(args.data) if isinstance(args.data, list) else 1
+    for name in PER_SOURCE:
+        if isinstance(getattr(args, name), list) and len(getattr(args, name)) != sources:
+            parser.error(
+                f"--{name} has {len(getattr(args, name))} values for {sources} --data sources: give one "
+                "value (for every source) or one per source, in --data's order."
+            )
+    if args.data_weights is not None:
+        if len(args.data_weights) != sources or not all(0 < w < math.inf for w in args.data_weights):
+            parser.error(
+                f"--data_weights {' '.join(map(str, args.data_weights))}: give one positive weight per "
+                f"--data source ({sources})."
+            )
+        if args.data_sampling == "round_robin":
+            parser.error("--data_weights and --data_sampling round_robin both given: keep one.")
+    if args.dev_columns is None:  # the first source's
+        args.dev_columns = source_settings(args)[0].columns
+    for source in source_settings(args):  # each source's flags, checked before anything is loaded
+        role_fields(source.columns, available=())
+        check_source_flags(source)
+    role_fields(args.dev_columns, available=())
     args.matryoshka_dims, args.matryoshka_weights = parse_matryoshka(
         args.matryoshka_dims, args.matryoshka_weights
     )
@@ -369,24 +432,52 @@ def parse_args(argv=None):
         parser.error("--merge_lora merges a LoRA adapter into the model: add --lora_r, or drop --merge_lora.")
     if args.false_negative_margin_strategy == "relative" and args.false_negative_margin is None:
         parser.error("--false_negative_margin_strategy relative needs --false_negative_margin, e.g. 0.95.")
-    if args.in_batch_negatives == "off" and (args.symmetric or args.cross_process_negatives):
-        parser.error(
-            "--in_batch_negatives off scores each anchor against its own group only: --symmetric (positives "
-            "against the batch's anchors) and --cross_process_negatives (other processes' candidates) need "
-            "in-batch negatives. Drop them, or keep in-batch negatives."
-        )
-    if not (args.distill_weight >= 0 and args.distill_temperature > 0):
-        parser.error("--distill_weight must be 0 (off) or more, and --distill_temperature more than 0.")
+    if not args.distill_temperature > 0:
+        parser.error(f"--distill_temperature must be more than 0, got {args.distill_temperature}.")
     if args.loss_tile_size is not None and args.loss_tile_size < 1:
         parser.error(f"--loss_tile_size must be at least 1, got {args.loss_tile_size} (omit it: automatic).")
     return args
 
 
+def check_source_flags(source):
+    """The per-source flags of one source (`source_settings`), as its steps will use them."""
+    if source.in_batch_negatives == "off" and (source.symmetric or source.cross_process_negatives):
+        parser.error(
+            "--in_batch_negatives off scores each anchor against its own group only: --symmetric (positives "
+            "against the batch's anchors) and --cross_process_negatives (other processes' candidates) need "
+            "in-batch negatives. Drop them, or keep in-batch negatives."
+        )
+    if not source.distill_weight >= 0:
+        parser.error(f"--distill_weight must be 0 (off) or more, got {source.distill_weight}.")
+
+
+# The flags that take one value, or one per --data source (PerSource).
+PER_SOURCE = ("data", "columns", "query_prompt", "document_prompt", "in_batch_negatives", "distill_weight")
+
+
+def source_settings(args):
+    """One argparse.Namespace per --data source: the flags, each PER_SOURCE flag at that source's value. What
+    reads one source's data or steps on its batches takes these instead of `args`."""
+    sources = len(args.data) if isinstance(args.data, list) else 1
+
+    def value(name, k):
+        given = getattr(args, name)
+        return given[k] if isinstance(given, list) else given
+
+    return [argparse.Namespace(**vars(args) | {n: value(n, k) for n in PER_SOURCE}) for k in range(sources)]
+
+
+def data_name(source):
+    """A data source's short name: its file's stem (wordnet_train), or a hub data set's name."""
+    return re.sub(r"(\.(jsonl|json|csv|tsv|parquet))?(\.gz)?$", "", Path(source.split(":")[0]).name)
+
+
 def default_run_name(model, data, started):
-    """<model folder>-<data file stem>-<start time>: runs of another model, data or minute get their own
-    folder."""
-    data_name = re.sub(r"(\.(jsonl|json|csv|parquet))?(\.gz)?$", "", Path(data).name.split(":")[0])
-    return f"{Path(model).name}-{data_name}-{time.strftime('%Y%m%d-%H%M', started)}"
+    """<model folder>-<data file stem>-<start time> (with several sources the first's, +N): runs of another
+    model, data or minute get their own folder."""
+    data = [data] if isinstance(data, str) else data
+    more = f"+{len(data) - 1}" if len(data) > 1 else ""
+    return f"{Path(model).name}-{data_name(data[0])}{more}-{time.strftime('%Y%m%d-%H%M', started)}"
 
 
 def parse_matryoshka(dims_spec, weights_spec):
@@ -427,19 +518,32 @@ def parse_matryoshka(dims_spec, weights_spec):
 def check_sources(args):
     """Stop at once, in one line, where --data, --dev_data or --model names nothing: no such file or folder,
     and no hub name (or, the hub out of reach, none in the local cache)."""
-    for source, flag in ((args.data, "--data"), (args.dev_data, "--dev_data")):
-        if source:
-            locate_data(source, flag)
+    for source in source_settings(args):
+        locate_data(source.data, "--data")
+    if args.dev_data:
+        locate_data(args.dev_data, "--dev_data")
     locate_model(args.model)
 
 
 def load_data(args, accelerator):
-    """(training pairs, dev set or None, bad records skipped), as main trains and evaluates on them. The dev
-    set: pairs, or a BEIR folder's (queries, corpus, relevant docs)."""
+    """(training pairs of each --data source, dev set or None, bad records skipped), as main trains and
+    evaluates on them. The dev set: pairs, or a BEIR folder's (queries, corpus, relevant docs)."""
+    train_sets, skipped_records = [], 0
     with accelerator.main_process_first():  # the first process fills datasets' cache, the others read it
         checks = (args.skip_bad_records, args.max_text_chars, accelerator.print)
-        scored = args.distill_weight > 0  # the teacher's scores are read with the texts
-        train_data, skipped_records = load_pairs(args.data, args.columns, *checks, teacher_scores=scored)
+        for source in source_settings(args):
+            scored = source.distill_weight > 0  # the teacher's scores are read with the texts
+            train_data, skipped = load_pairs(source.data, source.columns, *checks, teacher_scores=scored)
+            if 0 < args.max_train_examples < len(train_data):  # of each source
+                train_data = train_data.shuffle(seed=args.seed).select(range(args.max_train_examples))
+            if negatives_per_example(source, accelerator.num_processes, train_data) == 0:  # its loss: 0
+                fail(
+                    f"--batch_size {args.batch_size} on the pairs of {source.data}, without hard negatives, "
+                    "leaves each anchor no negative to score against, so nothing would train. Raise "
+                    "--batch_size or add hard negatives."
+                )
+            train_sets.append(train_data)
+            skipped_records += skipped
         dev_data = None
         if args.dev_data:
             kind, where, split = locate_data(args.dev_data, "--dev_data")
@@ -447,14 +551,7 @@ def load_data(args, accelerator):
                 dev_data = load_beir(where, split, accelerator.print)
             else:
                 dev_data = load_pairs(args.dev_data, args.dev_columns, *checks, flag="--dev_data")[0]
-    if 0 < args.max_train_examples < len(train_data):
-        train_data = train_data.shuffle(seed=args.seed).select(range(args.max_train_examples))
-    if negatives_per_example(args, accelerator.num_processes, train_data) == 0:  # the loss would be 0
-        fail(
-            f"--batch_size {args.batch_size} on pairs without hard negatives leaves each anchor no negative "
-            "to score against, so nothing would train. Raise --batch_size or add hard negatives."
-        )
-    return train_data, dev_data, skipped_records
+    return train_sets, dev_data, skipped_records
 
 
 def negatives_per_example(args, processes, train_data):
@@ -588,6 +685,7 @@ def field_roles(fields, present):
 # A teacher's scores (FlagEmbedding's fields): one per positive and one per negative, a number or a list.
 SCORE_FIELDS = ("pos_scores", "neg_scores")
 SCORE_COLUMNS = ("positive_scores", "negative_scores", "teacher_scores")
+SOURCE_COLUMN = "source"  # a batch's --data source, with several
 
 
 def read_teacher_scores(record, example, columns):
@@ -621,8 +719,9 @@ def read_teacher_scores(record, example, columns):
 
 
 def text_columns(column_names):
-    """The columns of texts, in order (anchor, positive, negatives), without the teacher's scores."""
-    return [column for column in column_names if column not in SCORE_COLUMNS]
+    """The columns of texts, in order (anchor, positive, negatives), without the teacher's scores or the
+    source."""
+    return [column for column in column_names if column not in (*SCORE_COLUMNS, SOURCE_COLUMN)]
 
 
 def read_example(record, fields, max_chars, present):
@@ -852,10 +951,14 @@ def json_record(value):
     return f"is a JSON {type(value).__name__}, not an object with named fields"
 
 
-def make_loader(train_data, args, processes):
-    """The training batches, which accelerate shards over the processes; set_epoch orders each epoch."""
+def make_loader(train_sets, args, processes):
+    """The training batches of the --data sources' pairs, which accelerate shards over the processes;
+    set_epoch orders each epoch. With several sources every optimizer step reads one (SourceMix)."""
     group = processes if args.cross_process_negatives else 1  # the batches contrasted together
-    sampler = NoDuplicatesOrder(train_data, args.batch_size, args.seed, group)
+    if len(train_sets) == 1:
+        sampler = NoDuplicatesOrder(train_sets[0], args.batch_size, args.seed, group)
+    else:
+        sampler = SourceMix(train_sets, args, processes)
     # Its own generator: by default every new iterator draws a seed from the global RNG, so a resumed run
     # (one iterator more) would draw other dropout masks than an uninterrupted one.
     return torch.utils.data.DataLoader(
@@ -894,6 +997,87 @@ class NoDuplicatesOrder(torch.utils.data.Sampler):
         return len(self.batches) * self.batch_size
 
 
+class SourceMix(torch.utils.data.Sampler):
+    """Several --data sources: every optimizer step takes all its batches, on every process, from one source,
+    so that its in-batch negatives come from one task and all processes compute one loss.
+
+    Each source is read in its own NoDuplicatesOrder, cut into steps of batch_size x processes x
+    gradient_accumulation_steps examples, which accelerate deals out as consecutive batches (process i takes
+    batches i, i + P, ...); a source's last part step is left out. The sources of epoch e's steps are drawn
+    from (seed, e): by default every step of every source once, in a shuffled order; with --data_weights as
+    many steps, each source drawn with those odds; round_robin, the sources in turn until the largest is read.
+    A source used up starts its next pass in a new order. The indices name (source, pass, example): the order
+    is a function of the seed and the epoch alone, so set_epoch, and a resume, replay it.
+    """
+
+    def __init__(self, train_sets, args, processes):
+        group = processes if args.cross_process_negatives else 1
+        self.orders = [  # each source's own seed: two copies of a file are not read in step
+            NoDuplicatesOrder(data, args.batch_size, args.seed + k, group)
+            for k, data in enumerate(train_sets)
+        ]
+        self.examples = SourceExamples([order.examples for order in self.orders])
+        self.step_size = args.batch_size * processes * args.gradient_accumulation_steps
+        self.steps = [len(order) // self.step_size for order in self.orders]  # in one pass of each source
+        for source, order, steps in zip(source_settings(args), self.orders, self.steps, strict=True):
+            if steps == 0:
+                fail(
+                    f"{source.data} makes no optimizer step: one takes {self.step_size} examples "
+                    f"(--batch_size x {processes} processes x --gradient_accumulation_steps), no text twice "
+                    f"in a batch, and it gives {len(order)}. Lower --batch_size, or leave the source out."
+                )
+        self.seed, self.weights, self.sampling = args.seed, args.data_weights, args.data_sampling
+        self.epoch = 0
+
+    def schedule(self, epoch):
+        """The source of each optimizer step of `epoch`."""
+        sources = range(len(self.steps))
+        if self.sampling == "round_robin":
+            return [step % len(sources) for step in range(len(sources) * max(self.steps))]
+        draw = random.Random(f"{self.seed}:{epoch}")
+        if self.weights:
+            return draw.choices(sources, self.weights, k=sum(self.steps))
+        schedule = [source for source in sources for _ in range(self.steps[source])]
+        draw.shuffle(schedule)
+        return schedule
+
+    def set_epoch(self, epoch):  # called by accelerate's DataLoaderShard.set_epoch
+        self.epoch = epoch
+
+    def __iter__(self):
+        used = [0] * len(self.orders)  # each source's steps taken before this epoch
+        for epoch in range(self.epoch):
+            for source in self.schedule(epoch):
+                used[source] += 1
+        orders = {}
+        for source in self.schedule(self.epoch):
+            source_pass, step = divmod(used[source], self.steps[source])
+            used[source] += 1
+            if orders.get(source, (None,))[0] != source_pass:
+                self.orders[source].set_epoch(source_pass)
+                orders[source] = source_pass, list(self.orders[source])
+            indices = orders[source][1][step * self.step_size : (step + 1) * self.step_size]
+            yield from ((source, source_pass, index) for index in indices)
+
+    def __len__(self):
+        return len(self.schedule(0)) * self.step_size
+
+
+class SourceExamples(torch.utils.data.Dataset):
+    """The examples of several sources (their PositiveDraws) by SourceMix's (source, pass, example), each
+    with its source's number: the step reads it to use that source's flags."""
+
+    def __init__(self, sources):
+        self.sources = sources
+
+    def __len__(self):
+        return sum(map(len, self.sources))
+
+    def __getitem__(self, index):
+        source, source_pass, example = index
+        return self.sources[source].draw(example, source_pass) | {SOURCE_COLUMN: source}
+
+
 class PositiveDraws(torch.utils.data.Dataset):
     """The examples, each with one of its positives when it has a list of them: drawn anew each epoch from
     (seed, epoch, example), so a resumed run draws what the uninterrupted one drew. With a teacher's scores,
@@ -907,9 +1091,12 @@ class PositiveDraws(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index):
+        return self.draw(index, self.epoch)
+
+    def draw(self, index, epoch):
         example, drawn = self.dataset[index], 0
         if isinstance(example["positive"], list):
-            draw = random.Random(f"{self.seed}:{self.epoch}:{index}")
+            draw = random.Random(f"{self.seed}:{epoch}:{index}")
             drawn = draw.randrange(len(example["positive"]))  # what draw.choice draws
             example["positive"] = example["positive"][drawn]
         if "positive_scores" in example:
@@ -1146,19 +1333,27 @@ class Towers(torch.nn.Module):
     backward, and DDP allows one forward per backward.
     """
 
-    def __init__(self, model, column_names):
+    def __init__(self, model):
         super().__init__()
-        self.model, self.tasks = model, [role_task(column) for column in column_names]
+        self.model = model
 
-    def forward(self, inputs, columns):
+    def forward(self, inputs, columns):  # column 0 holds the anchors, the queries
         return [
-            self.model(features, task=self.tasks[c])["sentence_embedding"]
+            self.model(features, task="query" if c == 0 else "document")["sentence_embedding"]
             for features, c in zip(inputs, columns, strict=True)
         ]
 
 
 def is_router(model):
     return any(isinstance(module, Router) for module in model.modules())
+
+
+def training_module(model, sources):
+    """What accelerate wraps for training: Towers, encoding a whole group of chunks per call, for a Router
+    model, and for any model when a source (`source_settings`) has no in-batch negatives, whose chunks of
+    rows encode every column before one backward; the model itself otherwise."""
+    grouped = is_router(model) or any(source.in_batch_negatives == "off" for source in sources)
+    return Towers(model) if grouped else model
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1194,14 +1389,16 @@ def text_id(text):
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def positives_by_anchor(train_data):
+def positives_by_anchor(*train_sets):
     """{anchor id: ids of its positives} for the anchors with several positives in the data (a list, or
-    several records): every one of them is a right answer of the anchor, never one of its negatives."""
+    several records, of any source): every one of them is a right answer of the anchor, never one of its
+    negatives."""
     positives = collections.defaultdict(set)
-    for anchor, positive in zip(train_data["anchor"], train_data["positive"], strict=True):
-        positives[text_id(anchor)].update(
-            map(text_id, positive if isinstance(positive, list) else [positive])
-        )
+    for data in train_sets:
+        for anchor, positive in zip(data["anchor"], data["positive"], strict=True):
+            positives[text_id(anchor)].update(
+                map(text_id, positive if isinstance(positive, list) else [positive])
+            )
     return {anchor: sorted(ids) for anchor, ids in positives.items() if len(ids) > 1}
 
 
@@ -1350,33 +1547,37 @@ def main(args):
     resume = checkpoint_to_resume(args, accelerator)  # (checkpoint, its trainer state), checked, or None
     check_sources(args)  # a misspelled --data, --dev_data or --model stops here, before anything is loaded
     set_seed(args.seed)
-    train_data, dev_data, skipped_records = load_data(args, accelerator)
+    train_sets, dev_data, skipped_records = load_data(args, accelerator)  # one per --data source
     # After the Accelerator: under ZeRO-3 the model loads partitioned.
     model = prepare_model(
         load_model(args.model, str(accelerator.device), args.pooling, accelerator.print), args
     )
-    prompts = role_prompts(model, args.query_prompt, args.document_prompt)
-    evaluator = build_evaluator(dev_data, args.dev_queries, prompts) if dev_data and args.eval_steps else None
+    sources = source_settings(args)  # each --data source's flags: its columns, prompts, loss
+    prompts = [role_prompts(model, source.query_prompt, source.document_prompt) for source in sources]
+    evaluated = dev_data and args.eval_steps  # with the first source's prompts
+    evaluator = build_evaluator(dev_data, args.dev_queries, prompts[0]) if evaluated else None
     engine, optimizer, loader, scheduler, derived = prepare_training(
-        args, accelerator, model, train_data, skipped_records
+        args, accelerator, model, train_sets, skipped_records
     )
     stats = {}  # each batch's numbers for the logs: tokens from the step, accuracy and masks from the loss
-    loss_fn = loss_function(args, model)
     # An anchor's other positives in the data are no negatives of it (--mask_repeated_texts).
-    known_positives = positives_by_anchor(train_data) if args.mask_repeated_texts == "on" else None
+    known_positives = positives_by_anchor(*train_sets) if args.mask_repeated_texts == "on" else None
     guide = load_guide(args, accelerator)  # --guide_model: its scores mask false negatives
-    step = functools.partial(
-        gradient_cache_step,
-        accelerator,
-        engine,
-        model,
-        prompts,
-        loss_fn,
-        args,
-        stats=stats,
-        known_positives=known_positives,
-        guide=guide,
-    )
+    steps = [  # the step of each source's batches: its prompts, its loss, its flags
+        functools.partial(
+            gradient_cache_step,
+            accelerator,
+            engine,
+            model,
+            source_prompts,
+            loss_function(source, model),
+            source,
+            stats=stats,
+            known_positives=known_positives,
+            guide=guide,
+        )
+        for source, source_prompts in zip(sources, prompts, strict=True)
+    ]
     fp16 = loss_scale(accelerator, engine) is not None  # the loss is scaled: its scaler skips overflows
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     total_steps, checkpoints_dir = derived["total_steps"], Path(args.output_dir) / "checkpoints"
@@ -1399,11 +1600,14 @@ def main(args):
     ) as bar:
         for batch in batches_from(progress, loader, accelerator, total_steps):
             started = time.perf_counter()
+            source = int(batch[SOURCE_COLUMN][0]) if SOURCE_COLUMN in batch else 0  # SourceMix: the step's
             # sync_gradients: at the last batch of an accumulation window
             with accelerator.accumulate(engine):
-                report, chunking = step_with_back_off(step, batch, chunking, args, accelerator, optimizer)
+                report, chunking = step_with_back_off(
+                    steps[source], batch, chunking, args, accelerator, optimizer
+                )
             bad_window |= report.skipped  # a loss not finite: gradcache back-propagated nothing, anywhere
-            if report.skipped and deepspeed and args.in_batch_negatives == "off":
+            if report.skipped and deepspeed and sources[source].in_batch_negatives == "off":
                 # group_step learns the loss is not finite only at the last chunk, once the others are
                 # back-propagated: into DeepSpeed's gradient buffers, which no skipped step clears.
                 fail(
@@ -1474,6 +1678,7 @@ def main(args):
                 log_training(
                     accelerator, engine, progress, window, derived, len(loader), learning_rate=learning_rate,
                     grad_norm=float("nan") if grad_norm is None else float(grad_norm), **chunking,
+                    **({"source": source} if len(sources) > 1 else {}),  # the --data source of this step
                 )  # fmt: skip
                 window = LogWindow()
             # No checkpoint inside a streak of non-finite steps: `latest` would resume into the streak, with
@@ -1500,7 +1705,16 @@ def make_accelerator(args):
     """The Accelerator of this launch, once the launch is checked: stopped where accelerate would not run it
     as meant. What DeepSpeed needs is all here."""
     # DeepSpeed clips by its JSON, where "auto" becomes this variable (accelerate's DeepSpeedPlugin); 0: none.
-    os.environ.setdefault("ACCELERATE_GRADIENT_CLIPPING", str(args.max_grad_norm))
+    # `accelerate launch --gradient_clipping` sets it too, and a shell may have it from another job: another
+    # value would clip silently otherwise than --max_grad_norm says.
+    clipping = os.environ.get("ACCELERATE_GRADIENT_CLIPPING", "auto")
+    if clipping != "auto" and float(clipping) != args.max_grad_norm:
+        fail(
+            f"ACCELERATE_GRADIENT_CLIPPING={clipping} (accelerate launch --gradient_clipping, or the "
+            f"environment) but --max_grad_norm {args.max_grad_norm}: DeepSpeed would clip at {clipping}. "
+            "Give the same value to both, or leave the variable unset."
+        )
+    os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(args.max_grad_norm)
     output_dir = Path(args.output_dir)
     launched_distributed = "LOCAL_RANK" in os.environ  # set by torchrun and the DeepSpeed launcher
     accelerator = Accelerator(
@@ -1570,18 +1784,16 @@ def claim_output_dir(args, accelerator):
     accelerator.project_configuration.logging_dir = str(output_dir / "tensorboard")
 
 
-def prepare_training(args, accelerator, model, train_data, skipped_records):
+def prepare_training(args, accelerator, model, train_sets, skipped_records):
     """(engine, optimizer, loader, scheduler, derived numbers): AdamW and the batches as accelerate wraps
     them, and the learning rate schedule."""
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapter only
     adamw = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
-    # A Router model's engine encodes a whole group of chunks per call; so does any model's without in-batch
-    # negatives, whose chunks of rows encode every column before one backward.
-    grouped = is_router(model) or args.in_batch_negatives == "off"
-    trained = Towers(model, text_columns(train_data.column_names)) if grouped else model
-    loader = make_loader(train_data, args, accelerator.num_processes)
+    trained = training_module(model, source_settings(args))
+    loader = make_loader(train_sets, args, accelerator.num_processes)
+    sampler = loader.sampler
     engine, optimizer, loader = accelerator.prepare(trained, adamw, loader)
-    derived = derive_numbers(args, accelerator, loader, train_data, skipped_records)
+    derived = derive_numbers(args, accelerator, loader, sampler, train_sets, skipped_records)
     # Not prepared: accelerate steps a prepared scheduler once per process under DDP and hands it to DeepSpeed
     # otherwise; this one steps once per optimizer step everywhere. It writes AdamW's param groups, which
     # DeepSpeed's ZeRO optimizers step in place.
@@ -1591,22 +1803,32 @@ def prepare_training(args, accelerator, model, train_data, skipped_records):
     return engine, optimizer, loader, scheduler, derived
 
 
-def derive_numbers(args, accelerator, loader, train_data, skipped_records):
-    """The numbers a run is read by, printed and logged once."""
+def derive_numbers(args, accelerator, loader, sampler, train_sets, skipped_records):
+    """The numbers a run is read by, printed and logged once; with several sources, each one's too."""
     if len(loader) == 0:
         together = " (together: --cross_process_negatives)" if args.cross_process_negatives else ""
         fail(
-            f"{len(train_data)} examples make no batch of {args.batch_size} distinct texts for each of "
+            f"{len(train_sets[0])} examples make no batch of {args.batch_size} distinct texts for each of "
             f"{accelerator.num_processes} processes{together}. Lower --batch_size or add data."
         )
     steps_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
     processes = accelerator.num_processes
+    sources = source_settings(args)
+    negatives = [negatives_per_example(s, processes, d) for s, d in zip(sources, train_sets, strict=True)]
+    if isinstance(sampler, SourceMix):  # what each source gives the steps
+        first_epoch = sampler.schedule(0)
+        for k, (source, data) in enumerate(zip(sources, train_sets, strict=True)):
+            accelerator.print(
+                f"train.py: source {k}, {source.data}: {len(data)} examples, {sampler.steps[k]} steps a "
+                f"pass, {first_epoch.count(k)} of the first epoch's {len(first_epoch)}; in-batch negatives "
+                f"{source.in_batch_negatives}, distill weight {source.distill_weight}"
+            )
     return {
         "processes": processes,
         "effective_batch_size": args.batch_size * processes * args.gradient_accumulation_steps,
-        "negatives_per_example": negatives_per_example(args, processes, train_data),
+        "negatives_per_example": negatives[0] if len(set(negatives)) == 1 else negatives,
         "chunks_per_column": math.ceil(args.batch_size / args.chunk_size) if args.chunk_size else "by tokens",
-        "train_examples": len(train_data),
+        "train_examples": sum(map(len, train_sets)),
         "skipped_records": skipped_records,
         "steps_per_epoch": steps_per_epoch,
         "total_steps": args.max_steps or steps_per_epoch * args.epochs,
@@ -1626,12 +1848,14 @@ def loss_scale(accelerator, engine):
 
 
 def resolved_settings(args, model, prompts):
-    """The flags whose default is the model's (None), as the run uses them: for the logged configuration."""
+    """The flags whose default is the model's (None), as the run uses them: for the logged configuration.
+    `prompts`: each source's."""
+    query, document = ([source[role] or "" for source in prompts] for role in ("query", "document"))
     return {
         "similarity": "dot" if model.similarity_fn_name == "dot" else "cos",
         "max_seq_length": model.max_seq_length,
-        "query_prompt": prompts["query"] or "",
-        "document_prompt": prompts["document"] or "",
+        "query_prompt": query[0] if len(set(query)) == 1 else query,
+        "document_prompt": document[0] if len(set(document)) == 1 else document,
         "lora_alpha": args.lora_alpha or 2 * args.lora_r,
         "loss_tile_size": args.loss_tile_size or "automatic",
     }
@@ -1797,8 +2021,14 @@ def stop_preempted(accelerator, signals, checkpoint, saved):
 
 def finish(accelerator, model, args, prompts, first_eval, last_eval):
     final = Path(args.output_dir) / "final"
-    # encode_query and encode_document of the saved model prepend what training did ("" for none)
-    model.prompts = model.prompts | {role: prompt or "" for role, prompt in prompts.items()}
+    # encode_query and encode_document of the saved model prepend what training did ("" for none): the first
+    # source's prompts. Sources with other prompts save theirs by name too, "<source>_query" and
+    # "<source>_document", for encode(texts, prompt_name=...).
+    saved = {role: prompt or "" for role, prompt in prompts[0].items()}
+    if any(source_prompts != prompts[0] for source_prompts in prompts):
+        for source, source_prompts in zip(source_settings(args), prompts, strict=True):
+            saved |= {f"{data_name(source.data)}_{role}": p or "" for role, p in source_prompts.items()}
+    model.prompts = model.prompts | saved
     save_final_model(accelerator, model, final, args.merge_lora)
     accelerator.print(f"saved {final}: load it with SentenceTransformer(path)")
     for name in ("mrr@10", "ndcg@10", "recall@10"):  # scored by the model's similarity: cosine, dot
@@ -1816,6 +2046,8 @@ def finish(accelerator, model, args, prompts, first_eval, last_eval):
 # A checkpoint written with other values of these would resume at another data position.
 RESUME_KEYS = (
     "data",
+    "data_weights",
+    "data_sampling",
     "columns",
     "max_train_examples",
     "batch_size",

@@ -1,7 +1,7 @@
 """One row of the feature matrix (tests/test_matrix.py): train.py's step under a backend, several processes.
 
 Each rank loads the row's tiny sentence-transformers model, prepares it with train.py's own flags
-(`train.parse_args`, `train.prepare_model`), wraps it as train.py does (`train.Towers` for a Router model)
+(`train.parse_args`, `train.prepare_model`), wraps it as train.py does (`train.training_module`)
 and runs NUM_STEPS optimizer steps of `train.gradient_cache_step` (the function train.py's loop calls) on
 its shard of the global batch of texts, with plain SGD so that every update is the gradient itself. It
 saves the losses gradcache reported and the trained weights. As a script it is what `launch` starts under
@@ -204,7 +204,7 @@ def run_row(row, model_folder, out_dir, guide_folder):
     model, args = load_prepared(row, model_folder, str(accelerator.device), guide_folder)
     guide = train.load_guide(args, accelerator)
     prompts = train.role_prompts(model)
-    trained = train.Towers(model, COLUMNS) if train.is_router(model) else model
+    trained = train.training_module(model, [args])  # Towers as train.py wraps: Router, or group-only
     optimizer = torch.optim.SGD(
         [p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE[row.model]
     )

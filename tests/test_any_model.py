@@ -101,7 +101,7 @@ def test_each_architecture_is_exact_with_dropout(tmp_path, name):
     loss_fn = functools.partial(loss_fn, symmetric=True)
 
     # As train.py calls it: a Router model encodes each group (a chunk of every column) in one call.
-    towers = train.Towers(model, COLUMNS) if train.is_router(model) else None
+    towers = train.Towers(model) if train.is_router(model) else None
     assert (towers is not None) == (kind == "router")
     torch.manual_seed(1)
     recorder = StageOneRecorder()
@@ -191,7 +191,7 @@ def test_a_model_with_batch_norm_is_refused_at_start(tmp_path, monkeypatch):
         return model
 
     monkeypatch.setattr(train, "load_model", with_batch_norm)
-    monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "1.0")  # what main() sets, undone after the test
+    monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "auto")  # main sets it: undone after the test
     args = train.parse_args(
         ["--model", str(folder), "--data", str(data), "--output_dir", str(tmp_path / "run")]
         + ["--batch_size", "8", "--chunk_size", "4", "--max_steps", "1", "--wandb_mode", "disabled"]

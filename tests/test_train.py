@@ -119,7 +119,9 @@ def run_main(monkeypatch, *argv):
     launch. Its Accelerator is undone afterwards."""
     from accelerate.state import AcceleratorState, GradientState
 
-    monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "1.0")  # what main sets, undone after the test
+    # Main sets it from --max_grad_norm: "auto" here, so that the test undoes it (a launch after this would
+    # inherit it, and DeepSpeed clip by it).
+    monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "auto")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     try:
         train.main(train.parse_args([*map(str, argv), "--wandb_mode", "disabled"]))
@@ -129,11 +131,14 @@ def run_main(monkeypatch, *argv):
 
 
 def sharded_loader(dataset, *flags, processes=1, process_index=0):
-    """train.py's batches of `dataset` under `flags`, as accelerate deals them to one of `processes`."""
+    """train.py's batches of `dataset` (or of a list of them, one per --data source) under `flags`, as
+    accelerate deals them to one of `processes`."""
     from accelerate.data_loader import prepare_data_loader
 
-    args = train.parse_args(["--model", "m", "--data", "x.jsonl", *map(str, flags)])
-    loader = train.make_loader(dataset, args, processes)
+    sources = dataset if isinstance(dataset, list) else [dataset]
+    data = [f"source_{k}.jsonl" for k in range(len(sources))]
+    args = train.parse_args(["--model", "m", "--data", *data, *map(str, flags)])
+    loader = train.make_loader(sources, args, processes)
     return prepare_data_loader(loader, num_processes=processes, process_index=process_index)
 
 
@@ -571,7 +576,7 @@ def test_an_anchor_without_negatives_is_refused_before_the_model_loads(tmp_path,
     fails_with(
         capsys,
         lambda: run_main(monkeypatch, *run, "--data", pairs),
-        "--batch_size 1 on pairs without hard negatives leaves each anchor no negative",
+        f"--batch_size 1 on the pairs of {pairs}, without hard negatives, leaves each anchor no negative",
         "Raise --batch_size or add hard negatives.",
     )
     # One hard negative, or a second pair in the batch, is one negative: on to the model, which is none.
@@ -580,6 +585,15 @@ def test_an_anchor_without_negatives_is_refused_before_the_model_loads(tmp_path,
     fails_with(
         capsys, lambda: run_main(monkeypatch, *run, "--data", pairs, "--batch_size", 2), "not a model folder"
     )
+
+
+def test_a_clipping_variable_other_than_max_grad_norm_is_refused(tmp_path, monkeypatch):
+    """DeepSpeed clips by ACCELERATE_GRADIENT_CLIPPING (accelerate launch --gradient_clipping sets it, a shell
+    may hold it from another job): a value other than --max_grad_norm's would clip otherwise, silently."""
+    monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "1.0")
+    args = train.parse_args(["--model", "m", "--max_grad_norm", "0", "--output_dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="ACCELERATE_GRADIENT_CLIPPING=1.0 .* but --max_grad_norm 0.0"):
+        train.main(args)
 
 
 def test_max_grad_norm_and_max_bad_steps_are_validated(capsys):
