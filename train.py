@@ -591,7 +591,7 @@ def load_pairs(
     present = collections.Counter(
         field for _, record in records if isinstance(record, dict) for field in record
     )
-    fields = role_fields(columns, available=present)
+    fields, named = role_fields(columns, available=present), parse_columns(columns)
     absent = [f"{field!r} ({role})" for role, field in fields if field not in present]
     if absent and present:  # with no field at all, no record could be read: the first is named below
         fail(f"{source} has no field {', '.join(absent)} in any record, only {sorted(present)}. {MAP_YOURS}")
@@ -600,7 +600,7 @@ def load_pairs(
     for place, record in records:
         if isinstance(record, dict):  # else it says, in words, what is wrong with the record
             example = read_example(record, fields, max_text_chars, present)
-            record = read_teacher_scores(record, example, columns) if teacher_scores else example
+            record = read_teacher_scores(record, example, named) if teacher_scores else example
         if isinstance(record, dict):
             examples.append(record)
         elif skip_bad_records:
@@ -641,21 +641,26 @@ NEGATIVE_FIELD = re.compile(r"(hard_?)?(negative|neg)(s|_(text|passage|document)
 MAP_YOURS = "Map yours with --columns, e.g. --columns anchor=question,positive=answer,negatives=neg1+neg2"
 
 
-def role_fields(columns, available):
-    """[(role, field)]: the anchor's, the positive's, then ("negative", field) for each negatives field, from
-    --columns ('anchor=q,positive=a,negatives=n1+n2'; 'negatives=' for none) and the `available` fields."""
+def parse_columns(columns):
+    """{role: fields} from --columns ('anchor=q,positive=a,negatives=n1+n2,pos_scores=s'), stopped in one line
+    where it cannot be read."""
     named = {}
     for item in filter(None, columns.split(",")):
         role, _, fields = (part.strip() for part in item.partition("="))
-        if role in SCORE_FIELDS:  # read by read_teacher_scores
-            continue
-        if role not in (*DEFAULT_FIELDS, "negatives") or not (fields or role == "negatives"):
+        if role not in (*DEFAULT_FIELDS, "negatives", *SCORE_FIELDS) or not (fields or role == "negatives"):
             parser.error(
                 f"--columns: cannot read {item!r}; write role=field with roles anchor, positive, negatives "
-                "(several negatives joined by +, none as negatives=), e.g. "
+                "(several negatives joined by +, none as negatives=), pos_scores, neg_scores, e.g. "
                 "anchor=question,positive=answer,negatives=neg1+neg2"
             )
         named[role] = fields
+    return named
+
+
+def role_fields(columns, available):
+    """[(role, field)]: the anchor's, the positive's, then ("negative", field) for each negatives field, from
+    --columns ('anchor=q,positive=a,negatives=n1+n2'; 'negatives=' for none) and the `available` fields."""
+    named = parse_columns(columns)
     pairs = [
         (role, named.get(role) or next((field for field in names if field in available), names[0]))
         for role, names in DEFAULT_FIELDS.items()
@@ -688,16 +693,13 @@ SCORE_COLUMNS = ("positive_scores", "negative_scores", "teacher_scores")
 SOURCE_COLUMN = "source"  # a batch's --data source, with several
 
 
-def read_teacher_scores(record, example, columns):
+def read_teacher_scores(record, example, named):
     """`example` with its teacher's scores, positive_scores and negative_scores, from the record's
-    pos_scores and neg_scores (or the fields --columns maps them to: pos_scores=f, neg_scores=f1+f2), one
-    number per positive and per negative, in their order; or what is wrong, in words."""
+    pos_scores and neg_scores (or the fields --columns maps them to, `named` by parse_columns: pos_scores=f,
+    neg_scores=f1+f2), one number per positive and per negative, in their order; or what is wrong, in
+    words."""
     if not isinstance(example, dict):
         return example
-    named = {}
-    for item in filter(None, columns.split(",")):
-        role, _, fields = (part.strip() for part in item.partition("="))
-        named[role] = fields
     for column, field, texts in (
         ("positive_scores", "pos_scores", "positive"),
         ("negative_scores", "neg_scores", "negative"),
