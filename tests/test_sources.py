@@ -168,11 +168,11 @@ def sources(tmp_path_factory):
     return write_rows(folder / "scored.jsonl", scored), write_rows(folder / "named.jsonl", named)
 
 
-def two_source_flags(model, sources, *extra):
+def two_source_flags(model, sources, *extra, chunking=("--chunk_size", 3)):
     return (
         "--model", model, "--data", *sources, "--dev_data", "",
         "--columns", "", "anchor=query,positive=answer,negatives=other",
-        "--query_prompt", "", "w1 ", "--distill_weight", 0.5, 0, "--lr", 1e-3, "--chunk_size", 3,
+        "--query_prompt", "", "w1 ", "--distill_weight", 0.5, 0, "--lr", 1e-3, *chunking,
         "--wandb_mode", "disabled", *extra,
     )  # fmt: skip
 
@@ -209,8 +209,10 @@ def test_two_zero3_processes_on_two_sources_train_as_one_process_holding_the_glo
 ):
     """Two ZeRO-3 processes, 4 examples each, contrasted together, against one plain process with the batch
     of 8: the same steps from the same sources, the same weights. The sources differ in columns (a step
-    of pairs has one column fewer: every process must run the same passes), prompts and distillation."""
-    common = two_source_flags(model_without_dropout, sources, "--max_steps", 4, "--max_grad_norm", 0)
+    of pairs has one column fewer: every process must run the same passes), prompts and distillation; the
+    chunks are token budgets, which the processes plan apart and agree on."""
+    steps = ("--max_steps", 4, "--max_grad_norm", 0)
+    common = two_source_flags(model_without_dropout, sources, *steps, chunking=("--chunk_tokens", 30))
     run_main(monkeypatch, *common, "--batch_size", 8, "--output_dir", tmp_path / "one")
     launch_deepspeed(
         CONFIGS / "deepspeed_zero3.yaml", tmp_path / "two", *common,
