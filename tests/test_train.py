@@ -375,28 +375,43 @@ def launch_deepspeed(config, output_dir, *args, processes):
 def test_deepspeed_reproduces_the_plain_run(
     tmp_path, data, model_without_dropout, reference_runs, config, processes
 ):
+    """Each DeepSpeed config trains to the plain run's weights, logs its loss and norm, and saves final/ as
+    its engine held the weights. ZeRO-2 also resumes bit for bit. ZeRO-3 runs with every parameter partitioned
+    (zero3_partitioning_everything: the shipped config keeps a tiny model's parameters whole), split over the
+    two processes, and final/ holds them whole, under the plain run's names: this case was a launch of its
+    own, merged here (suite time)."""
     common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS)
     resume_too = (config, processes) == ("deepspeed_zero2.yaml", 2)  # and resume from step 2, bit for bit
+    partitioned = config == "deepspeed_zero3.yaml"
+    config = zero3_partitioning_everything(tmp_path) if partitioned else CONFIGS / config
+    run = tmp_path / "run"
     done = launch_deepspeed(
-        CONFIGS / config, tmp_path, *common, *(("--save_steps", 2) if resume_too else ()), processes=processes
+        config, run, *common, *(("--save_steps", 2) if resume_too else ()), processes=processes
     )
     assert "DistributedType.DEEPSPEED" in done.stdout and f"processes: {processes}" in done.stdout
-    saved = weights(tmp_path / "final")
+    saved = weights(run / "final")
     difference = max_difference(saved, weights(reference_runs[processes] / "final"))
-    print(f"{config} x {processes}: max weight difference to the plain run {difference:.2e}")
+    print(f"{config.name} x {processes}: max weight difference to the plain run {difference:.2e}")
     assert difference < TOLERANCE
-    assert max_difference(saved, engine_weights(tmp_path / "checkpoints" / "step_3")) == 0
-    logged, reference = logged_scalars(tmp_path), logged_scalars(reference_runs[processes])
+    assert max_difference(saved, engine_weights(run / "checkpoints" / "step_3")) == 0
+    if partitioned:
+        shards = sorted((run / "checkpoints" / "step_3" / "pytorch_model").glob("*optim_states.pt"))
+        assert len(shards) == 2
+        # The file itself, as a tool reading it by name sees it: the names of the plain run (not gamma/beta).
+        saved_file, plain_file = (
+            load_file(folder / "final" / "model.safetensors") for folder in (run, reference_runs[2])
+        )
+        assert max_difference(saved_file, plain_file) < TOLERANCE
+    logged, reference = logged_scalars(run), logged_scalars(reference_runs[processes])
     assert min(value for _, value in reference["train/grad_norm"]) < CLIP  # else the clip test is void
     for tag in ("train/loss", "train/grad_norm"):  # the norm comes from DeepSpeed's engine here
         assert [value for _, value in logged[tag]] == pytest.approx(
             [value for _, value in reference[tag]], rel=1e-4
         )
     if resume_too:
-        step_2 = tmp_path / "checkpoints" / "step_2"
-        launch_deepspeed(
-            CONFIGS / config, tmp_path / "resumed", *common, "--resume_from_checkpoint", step_2, processes=2
-        )
+        step_2 = run / "checkpoints" / "step_2"
+        resume = ("--resume_from_checkpoint", step_2)
+        launch_deepspeed(config, tmp_path / "resumed", *common, *resume, processes=2)
         resumed = weights(tmp_path / "resumed" / "final")
         assert all(torch.equal(resumed[name], saved[name]) for name in saved)
 
@@ -411,24 +426,6 @@ def zero3_partitioning_everything(folder):
     shipped = (CONFIGS / "deepspeed_zero3.yaml").read_text()
     config.write_text(shipped.replace("accelerate_configs/deepspeed/zero3.json", str(folder / "zero3.json")))
     return config
-
-
-def test_zero3_saves_partitioned_weights_whole(tmp_path, data, model_without_dropout, reference_runs):
-    """With every parameter split over the two processes, final/ holds them whole."""
-    config = zero3_partitioning_everything(tmp_path)
-    common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS)
-    launch_deepspeed(config, tmp_path / "run", *common, processes=2)
-
-    shards = sorted((tmp_path / "run" / "checkpoints" / "step_3" / "pytorch_model").glob("*optim_states.pt"))
-    assert len(shards) == 2
-    saved = weights(tmp_path / "run" / "final")
-    assert max_difference(saved, engine_weights(tmp_path / "run" / "checkpoints" / "step_3")) == 0
-    assert max_difference(saved, weights(reference_runs[2] / "final")) < TOLERANCE
-    # The file itself, as a tool reading it by name sees it: the names of the plain run (not gamma/beta).
-    saved_file, plain_file = (
-        load_file(run / "final" / "model.safetensors") for run in (tmp_path / "run", reference_runs[2])
-    )
-    assert max_difference(saved_file, plain_file) < TOLERANCE
 
 
 def test_bf16_run_trains(tmp_path, data, model_without_dropout):
