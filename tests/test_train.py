@@ -11,6 +11,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -123,11 +124,14 @@ def run_main(monkeypatch, *argv):
 
     monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "1.0")  # what main sets, undone after the test
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
     try:
         train.main(train.parse_args([*map(str, argv), "--wandb_mode", "disabled"]))
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+        for number, handler in handlers.items():  # main's own catch SIGTERM and Ctrl-C for the loop
+            signal.signal(number, handler)
 
 
 def sharded_loader(dataset, *flags, processes=1, process_index=0):
