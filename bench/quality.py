@@ -67,7 +67,16 @@ PRESETS = {
         "dev_queries": 2000,
     },
     # the test suite's: one batch size, so the two runs that launch train.py with and without masks
-    "smoke": {"batch_sizes": [8], "chunk_size": 4, "train_examples": 16, "seeds": [1], "dev_queries": 16},
+    # the test suite's: one batch size, so the two runs that launch train.py with and without masks; a corpus
+    # of the words of the first 64 dev records, not of all 2000 (each of the 3 scorings encodes it whole)
+    "smoke": {
+        "batch_sizes": [8],
+        "chunk_size": 4,
+        "train_examples": 16,
+        "seeds": [1],
+        "dev_queries": 16,
+        "dev_corpus": 64,
+    },
 }
 SIGNIFICANT = 2.0  # standard errors of the difference of two means
 
@@ -77,6 +86,9 @@ parser.add_argument("--chunk_size", type=int, help="Gradient Cache chunk of ever
 parser.add_argument("--train_examples", type=int, help="examples of an equal-epochs run (a seeded subset)")
 parser.add_argument("--seeds", type=int, nargs="+", help="one run per seed at every point")
 parser.add_argument("--dev_queries", type=int, help="dev definitions used as queries")
+parser.add_argument(
+    "--dev_corpus", type=int, help="the corpus: the words of this many first dev records (0: of all of them)"
+)
 parser.add_argument("--mask_flags", default=MASK_FLAGS, help="train.py flags of the masked runs")
 parser.add_argument("--reference_lr", type=float, default=2e-4, help="learning rate at --reference_batch")
 parser.add_argument("--reference_batch", type=int, default=128)
@@ -105,10 +117,12 @@ def dev_train_overlap():
     }
 
 
-def dev_evaluator(num_queries):
-    """Each dev definition retrieves its own words among the words of all dev records."""
+def dev_evaluator(num_queries, corpus_records=0):
+    """Each dev definition retrieves its own words among the words of all dev records, or of the first
+    `corpus_records` of them (never fewer than the queries: each query's words are in the corpus)."""
     dev = datasets.load_dataset("json", data_files=str(DEV_FILE), split="train")
-    corpus_ids = {text: f"d{i}" for i, text in enumerate(dict.fromkeys(dev["positive"]))}
+    corpus = dev if not corpus_records else dev.select(range(min(max(corpus_records, num_queries), len(dev))))
+    corpus_ids = {text: f"d{i}" for i, text in enumerate(dict.fromkeys(corpus["positive"]))}
     queries = dev.select(range(min(num_queries, len(dev))))
     return InformationRetrievalEvaluator(
         queries={f"q{i}": text for i, text in enumerate(queries["anchor"])},
@@ -176,7 +190,7 @@ def train(batch_size, examples, extra_flags, seed, args, run_dir):
 
 def measure(args):
     device = "cuda" if args.device.startswith("cuda") else "cpu"
-    evaluator = dev_evaluator(args.dev_queries)
+    evaluator = dev_evaluator(args.dev_queries, args.dev_corpus)
     before = score(harness.model_path(), evaluator, device)
     print(f"before fine-tuning: {before}", flush=True)
     runs = []
@@ -249,6 +263,11 @@ def verdicts(results, args):
     return rows
 
 
+def corpus_words(args):
+    records = getattr(args, "dev_corpus", 0)  # results saved before --dev_corpus scored all of them
+    return f"the words of the first {records} dev records" if records else "all dev words"
+
+
 def table(results, args):
     overlap = results["overlap"]
     before = results["before"]["mrr@10"]
@@ -256,7 +275,8 @@ def table(results, args):
         f"Training: data/wordnet_train.jsonl.gz, {args.train_examples} examples in an equal-epochs run (one "
         f"epoch), chunk {args.chunk_size}, lr = {args.reference_lr:g} x sqrt(batch / "
         f"{args.reference_batch}), seeds {', '.join(map(str, args.seeds))}. Dev: {args.dev_queries} "
-        f"definitions retrieving their words among all dev words. MRR@10 before training: {before:.4f}.",
+        f"definitions retrieving their words among {corpus_words(args)}. MRR@10 before training: "
+        f"{before:.4f}.",
         f"Dev and train: of the {overlap['dev_records']} dev records, {overlap['dev_pairs_in_train']} "
         f"appear as a (definition, words) pair in the {overlap['train_records']} training records, "
         f"{overlap['dev_anchors_in_train']} dev definitions appear as training definitions and "

@@ -3,7 +3,13 @@
 import random
 
 import pytest
+import torch
 from test_train import ROWS, WORDS, build_tiny_model, write_rows
+
+# One intra-op thread in this process, as test_train.launch gives each launched one: the tiny models gain
+# nothing from two, and on a busy 2-core machine two threads spin-waiting for each other made an in-process
+# run of train.main two to three times slower (suite time). The bench smokes run in their own processes.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")

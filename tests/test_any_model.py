@@ -346,17 +346,17 @@ def test_the_two_files_train_alone_without_optional_packages(tmp_path):
         ("router", "cpu.yaml", ["--similarity", "dot", "--query_prompt", "w1 "]),
     ],
 )
-def test_architectures_train_and_save(tmp_path, data, kind, config, flags):
+def test_architectures_train_and_save(tmp_path, data, kind, config, flags, monkeypatch):
+    """The one-process run (cpu.yaml) runs train.main in this process (suite time); ZeRO-3 is launched."""
     model = build_tiny_model(tmp_path, dropout=0.1, kind=kind)
-    processes = 1 if config == "cpu.yaml" else 2
-    config = zero3_partitioning_everything(tmp_path) if config.startswith("zero3") else CONFIGS / config
     # ZeRO-3 evaluates in tests/test_train.py: here every evaluation's forward would gather the whole model
-    dev = ("--dev_data", data[1]) if processes == 1 else ()
-    launch(
-        config, tmp_path / "run", "--model", model, "--data", data[0], *dev,
-        "--batch_size", 8, "--chunk_size", 3, "--max_steps", 2, "--lr", 1e-2, "--wandb_mode", "disabled",
-        *flags, processes=processes,
-    )  # fmt: skip
+    dev = ("--dev_data", data[1]) if config == "cpu.yaml" else ()
+    args = ("--model", model, "--data", data[0], *dev, "--batch_size", 8, "--chunk_size", 3, "--max_steps", 2)
+    args += ("--lr", 1e-2, "--wandb_mode", "disabled", *flags)
+    if config == "cpu.yaml":
+        run_main(monkeypatch, "--output_dir", tmp_path / "run", *args)
+    else:
+        launch(zero3_partitioning_everything(tmp_path), tmp_path / "run", *args, processes=2)
     final = tmp_path / "run" / "final"
     trained, initial = weights(final), weights(model)
     if "--lora_r" in flags:
@@ -398,20 +398,21 @@ def test_mined_hard_negatives_are_train_data(tmp_path, data):
 def test_final_loads_from_anywhere_and_encodes_with_the_prompts_of_training(tmp_path, data, monkeypatch):
     """A LoRA run on a model given by a relative path, with a query prompt: final/ loads from another folder
     (adapter_config.json names the base model by its absolute path), and its encode_query and
-    encode_document prepend what training prepended."""
+    encode_document prepend what training prepended. Trained in this process, run from the folder that
+    holds the model (suite time; train.py copied alone and launched: the test above)."""
     from sentence_transformers import SentenceTransformer
 
     repo = tmp_path / "their_repo"
     repo.mkdir()
-    for name in ("train.py", "gradcache.py"):
-        shutil.copy(REPO / name, repo / name)
     shutil.copytree(build_tiny_model(tmp_path, dropout=0.0), repo / "hf_tiny_bert")
-    launch(
-        CONFIGS / "cpu.yaml", tmp_path / "run", "--model", "hf_tiny_bert", "--data", data[0],
-        "--dev_data", "",
-        "--batch_size", 8, "--chunk_size", 4, "--max_steps", 2, "--lr", 1e-2, "--wandb_mode", "disabled",
-        "--lora_r", 4, "--query_prompt", "w1 ", script=repo / "train.py",
-    )  # fmt: skip
+    with monkeypatch.context() as in_repo:
+        in_repo.chdir(repo)
+        run_main(
+            in_repo, "--output_dir", tmp_path / "run", "--model", "hf_tiny_bert", "--data", data[0],
+            "--dev_data", "",
+            "--batch_size", 8, "--chunk_size", 4, "--max_steps", 2, "--lr", 1e-2,
+            "--lora_r", 4, "--query_prompt", "w1 ",
+        )  # fmt: skip
     final = tmp_path / "run" / "final"
     adapter = json.loads(next(final.rglob("adapter_config.json")).read_text())
     assert adapter["base_model_name_or_path"] == str(repo / "hf_tiny_bert")
@@ -427,10 +428,11 @@ def test_final_loads_from_anywhere_and_encodes_with_the_prompts_of_training(tmp_
 
 
 def test_merge_lora_saves_a_full_model_that_loads_without_peft(tmp_path, data, monkeypatch):
+    """Trained in this process (suite time)."""
     model = build_tiny_model(tmp_path, dropout=0.0)
-    launch(
-        CONFIGS / "cpu.yaml", tmp_path / "run", "--model", model, "--data", data[0], "--dev_data", "",
-        "--batch_size", 8, "--chunk_size", 4, "--max_steps", 2, "--lr", 1e-2, "--wandb_mode", "disabled",
+    run_main(
+        monkeypatch, "--output_dir", tmp_path / "run", "--model", model, "--data", data[0], "--dev_data", "",
+        "--batch_size", 8, "--chunk_size", 4, "--max_steps", 2, "--lr", 1e-2,
         "--lora_r", 4, "--merge_lora",
     )  # fmt: skip
     final = tmp_path / "run" / "final"

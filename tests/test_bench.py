@@ -126,9 +126,17 @@ def test_memory_cap_stops_plain_where_ours_still_fits(smoke_run):
 def test_quality_trains_through_train_py_with_and_without_masks_and_scores_the_dev_split(
     smoke_run, results_dir
 ):
+    """The smoke preset scores on the words of the first 64 dev records, not of all 2000 (suite time): the
+    evaluator's corpus, as the preset builds it, is checked here, in this process."""
+    import quality
+
     saved, markdown = smoke_run("quality")
     settings, results = saved["settings"], saved["results"]
     assert 0 < results["before"]["mrr@10"] <= 1
+    assert settings["dev_corpus"] == 64 and "among the words of the first 64 dev records" in markdown
+    evaluator = quality.dev_evaluator(settings["dev_queries"], settings["dev_corpus"])
+    assert len(evaluator.queries) == settings["dev_queries"] and 0 < len(evaluator.corpus) <= 64
+    assert all(set(docs) <= set(evaluator.corpus_ids) for docs in evaluator.relevant_docs.values())
     (batch,) = settings["batch_sizes"]
     runs = {run["comparison"]: run for run in results["runs"]}
     assert sorted(runs) == ["masks", "shared"] and len(results["runs"]) == 2

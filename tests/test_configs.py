@@ -56,8 +56,9 @@ FP32 = "precision=no dtype=torch.float32"
 BF16_DEEPSPEED = "precision=bf16 dtype=torch.bfloat16"
 ONE_PROCESS = ["--num_processes", "1"]
 # (config, extra launch arguments, extra environment, what every rank must report). cpu.yaml,
-# cpu_ddp_2proc.yaml, deepspeed_zero3.yaml (2 processes) and deepspeed_zero2_offload_optimizer.yaml (1) are
-# launched with train.py itself and compared with a plain run in tests/test_train.py; here the rest.
+# cpu_ddp_2proc.yaml, deepspeed_zero3.yaml (2 processes, its JSON's parameter persistence threshold at 0)
+# and deepspeed_zero2_offload_optimizer.yaml (1) are launched with train.py itself and compared with a plain
+# run in tests/test_train.py; here the rest.
 CPU_RUNS = [
     ("bf16.yaml", [], {}, "num_processes=1 type=NO precision=bf16 dtype=torch.float32"),
     ("deepspeed_zero1.yaml", ONE_PROCESS, {}, f"num_processes=1 type=DEEPSPEED {FP32}"),

@@ -1,9 +1,12 @@
 """Reliability of train.py: a killed run resumes bit for bit, bad data is named or skipped, a non-finite step
 never reaches the weights, and a chunk that runs out of memory is halved, in one process and in two.
 
-Faults are injected by tests/faults/sitecustomize.py into the launched processes (see its docstring).
+Faults are injected by tests/faults/sitecustomize.py into the launched processes (see its docstring), or
+installed by `run_with_faults` in this process, for one-process runs that need no process of their own: a
+launch costs the suite its start-up (suite time). A kill and what needs several processes stay launched.
 """
 
+import importlib.util
 import json
 import math
 import os
@@ -30,6 +33,26 @@ def launch_with_faults(output_dir, *args, faults=None, processes=1, check=True):
     return launch(config, output_dir, *RUN, *args, processes=processes, env=env | (faults or {}), check=check)
 
 
+def run_with_faults(output_dir, *args, faults=None):
+    """train.main in this process (test_train.run_main) with tests/faults/sitecustomize.py's test doubles
+    installed as it installs them at the start of a launched process; both undone when it returns."""
+    import accelerate
+
+    assert "GRADCACHE_FAULT_KILL" not in (faults or {})  # it would kill the test
+    with pytest.MonkeyPatch.context() as patch:
+        if faults:
+            doubled = ("cache_representation_gradients", "backpropagate_cache", "group_step")
+            for name in (*doubled, "gradcache_step"):
+                patch.setattr(gradcache, name, getattr(gradcache, name))
+            for name in ("save_state", "__init__"):
+                patch.setattr(accelerate.Accelerator, name, getattr(accelerate.Accelerator, name))
+            for name, value in faults.items():
+                patch.setenv(name, value)
+            spec = importlib.util.spec_from_file_location("faults_in_process", FAULTS / "sitecustomize.py")
+            spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        run_main(patch, "--output_dir", output_dir, *RUN, *args)
+
+
 def checkpoint_weights(checkpoint):
     from safetensors.torch import load_file
 
@@ -43,17 +66,20 @@ def checkpoint_weights(checkpoint):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, data, model_with_dropout):
+    """The reference of the resumed runs, trained in this process (suite time): the launched runs that are
+    killed must still reach its weights, bit for bit."""
     run = tmp_path_factory.mktemp("uninterrupted")
-    launch_with_faults(
-        run, "--model", model_with_dropout, "--data", data[0], "--max_steps", 6, "--save_steps", 2
-    )
+    args = ("--model", model_with_dropout, "--data", data[0], "--max_steps", 6, "--save_steps", 2)
+    run_with_faults(run, *args)
     return run
 
 
 @pytest.mark.parametrize("point", ["before", "during", "after"])
 def test_killed_at_a_checkpoint_the_run_resumes_bit_for_bit(
-    point, tmp_path, data, model_with_dropout, uninterrupted
+    point, tmp_path, data, model_with_dropout, uninterrupted, capsys
 ):
+    """SIGKILL before, during and after the checkpoint of step 4, in a launched process; resumed in this
+    process (suite time), the run reaches the uninterrupted one's weights."""
     args = ("--model", model_with_dropout, "--data", data[0], "--max_steps", 6, "--save_steps", 2)
     killed = launch_with_faults(tmp_path, *args, faults={"GRADCACHE_FAULT_KILL": f"{point}:2"}, check=False)
     assert killed.returncode != 0
@@ -63,8 +89,8 @@ def test_killed_at_a_checkpoint_the_run_resumes_bit_for_bit(
         assert "step_4.partial" in checkpoints  # half-written, and never taken for a complete one
     assert not (tmp_path / "final").exists()
 
-    resumed = launch_with_faults(tmp_path, *args, "--resume_from_checkpoint", "latest")
-    assert f"resumed from {tmp_path / 'checkpoints' / expected_latest}:" in resumed.stdout
+    run_with_faults(tmp_path, *args, "--resume_from_checkpoint", "latest")
+    assert f"resumed from {tmp_path / 'checkpoints' / expected_latest}:" in capsys.readouterr().out
     # Steps 3 and 4, logged before the kill and again after the resume from step 2, show once in TensorBoard
     assert [step for step, _ in logged_scalars(tmp_path)["train/loss"]] == [1, 2, 3, 4, 5, 6]
     resumed, reference = weights(tmp_path / "final"), weights(uninterrupted / "final")
@@ -74,24 +100,33 @@ def test_killed_at_a_checkpoint_the_run_resumes_bit_for_bit(
 
 @pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
 def test_a_signal_saves_a_checkpoint_and_the_run_resumes_bit_for_bit(
-    signal_name, tmp_path, data, model_with_dropout, uninterrupted
+    signal_name, tmp_path, data, model_with_dropout, uninterrupted, capsys
 ):
     """SIGTERM (preemption) or Ctrl-C during step 3, and again while its checkpoint is written: the run saves
     step_3 whole, says how to resume and exits 0; resumed, it reaches the uninterrupted run's weights. One
-    handler catches both signals, so only the SIGTERM run is resumed (a launch the suite spares)."""
+    handler catches both signals, so only the SIGTERM run is resumed. The SIGTERM run is launched (its exit
+    status is the launcher's); Ctrl-C, sent to this process while train.main runs in it, and the resume run
+    here (suite time)."""
     args = ("--model", model_with_dropout, "--data", data[0], "--max_steps", 6, "--save_steps", 2)
-    stopped = launch_with_faults(tmp_path, *args, faults={"GRADCACHE_FAULT_SIGNAL": f"{signal_name}:3"})
+    faults = {"GRADCACHE_FAULT_SIGNAL": f"{signal_name}:3"}
+    if signal_name == "SIGTERM":
+        stopped = launch_with_faults(tmp_path, *args, faults=faults).stdout
+    else:
+        with pytest.raises(SystemExit) as exited:
+            run_with_faults(tmp_path, *args, faults=faults)
+        assert exited.value.code == 0
+        stopped = capsys.readouterr().out
     checkpoints = tmp_path / "checkpoints"
-    assert f"stopped by {signal_name}: saved {checkpoints / 'step_3'}." in stopped.stdout
-    assert "--resume_from_checkpoint latest" in stopped.stdout
+    assert f"stopped by {signal_name}: saved {checkpoints / 'step_3'}." in stopped
+    assert "--resume_from_checkpoint latest" in stopped
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_2", "step_3"]
     assert (checkpoints / "step_3" / "trainer_state.json").is_file()
     assert not (tmp_path / "final").exists()
     if signal_name == "SIGINT":
         return
 
-    resumed = launch_with_faults(tmp_path, *args, "--resume_from_checkpoint", "latest")
-    assert f"resumed from {checkpoints / 'step_3'}:" in resumed.stdout
+    run_with_faults(tmp_path, *args, "--resume_from_checkpoint", "latest")
+    assert f"resumed from {checkpoints / 'step_3'}:" in capsys.readouterr().out
     resumed, reference = weights(tmp_path / "final"), weights(uninterrupted / "final")
     assert all(torch.equal(resumed[name], reference[name]) for name in reference)
 
@@ -221,13 +256,20 @@ def test_a_file_of_only_bad_records_stops_even_when_skipping(tmp_path):
 
 
 @pytest.mark.parametrize("processes", [1, 2])
-def test_a_non_finite_step_never_reaches_the_weights(processes, tmp_path, data, model_without_dropout):
+def test_a_non_finite_step_never_reaches_the_weights(
+    processes, tmp_path, data, model_without_dropout, capsys
+):
     """A NaN loss at step 2 and infinite gradients at step 3 (on rank 1 only with two processes): the final
-    weights are those of step 1, on every process."""
+    weights are those of step 1, on every process. One process runs in this process (suite time)."""
     faults = {"GRADCACHE_FAULT_NAN": "2", "GRADCACHE_FAULT_INF": "3"}
-    faults |= {"GRADCACHE_FAULT_RANK": "1"} if processes == 2 else {}
     args = ("--model", model_without_dropout, "--data", data[0], "--max_steps", 3, "--save_steps", 1)
-    done = launch_with_faults(tmp_path, *args, faults=faults, processes=processes)
+    if processes == 2:
+        faults |= {"GRADCACHE_FAULT_RANK": "1"}
+        done = launch_with_faults(tmp_path, *args, faults=faults, processes=processes)
+        output = done.stdout + done.stderr
+    else:
+        run_with_faults(tmp_path, *args, faults=faults)
+        output = "".join(capsys.readouterr())
     final, step_1 = weights(tmp_path / "final"), checkpoint_weights(tmp_path / "checkpoints" / "step_1")
     assert all(torch.equal(final[name], step_1[name]) for name in step_1)
     assert all(torch.isfinite(value).all() for value in final.values())
@@ -237,24 +279,26 @@ def test_a_non_finite_step_never_reaches_the_weights(processes, tmp_path, data, 
     assert math.isfinite(logged["train/grad_norm"][1]) and math.isnan(logged["train/grad_norm"][2])
     assert math.isnan(logged["train/grad_norm"][3])
     for step in (2, 3):
-        assert f"step {step}: loss or gradient not finite, update skipped" in done.stdout + done.stderr
+        assert f"step {step}: loss or gradient not finite, update skipped" in output
 
 
 @pytest.mark.parametrize("config", ["cpu.yaml", "deepspeed_zero2.yaml"])
-def test_a_non_finite_step_without_in_batch_negatives(config, tmp_path, data, model_without_dropout):
+def test_a_non_finite_step_without_in_batch_negatives(config, tmp_path, data, model_without_dropout, capsys):
     """group_step finds the loss not finite only at its last chunk, the first chunks back-propagated: on the
     CPU the step is skipped and its gradients cleared, so the weights stay those of step 1; under DeepSpeed,
-    whose buffers already hold them, the run stops naming the checkpoint before."""
+    whose buffers already hold them, the run stops naming the checkpoint before. The CPU run runs in this
+    process (suite time); the DeepSpeed one is launched."""
     args = ("--model", model_without_dropout, "--data", data[0], "--max_steps", 2, "--save_steps", 1)
     args += ("--in_batch_negatives", "off")
-    env = {"PYTHONPATH": f"{FAULTS}{os.pathsep}{Path(__file__).parents[1]}", "GRADCACHE_FAULT_NAN": "2"}
-    done = launch(CONFIGS / config, tmp_path, *RUN, *args, env=env, check=config == "cpu.yaml")
     if config == "cpu.yaml":
-        assert "step 2: loss or gradient not finite, update skipped" in done.stdout + done.stderr
+        run_with_faults(tmp_path, *args, faults={"GRADCACHE_FAULT_NAN": "2"})
+        assert "step 2: loss or gradient not finite, update skipped" in "".join(capsys.readouterr())
         step_1 = checkpoint_weights(tmp_path / "checkpoints" / "step_1")  # of train.Towers: "model." first
         final = weights(tmp_path / "final")
         assert all(torch.equal(final[name.removeprefix("model.")], step_1[name]) for name in step_1)
         return
+    env = {"PYTHONPATH": f"{FAULTS}{os.pathsep}{Path(__file__).parents[1]}", "GRADCACHE_FAULT_NAN": "2"}
+    done = launch(CONFIGS / config, tmp_path, *RUN, *args, env=env, check=False)
     assert done.returncode != 0
     assert (
         "step 2: the loss was not finite, and without in-batch negatives DeepSpeed already holds the "
@@ -268,14 +312,15 @@ def test_steps_non_finite_in_a_row_stop_the_run_naming_the_last_checkpoint_befor
     tmp_path, data, model_without_dropout
 ):
     """No checkpoint is saved inside the streak (it saved steps 4 and 5, and named step_5 to resume from: into
-    the streak, with the weights that led to it). Also: --save_total_limit 2 keeps the two newest."""
+    the streak, with the weights that led to it). Also: --save_total_limit 2 keeps the two newest. In this
+    process (suite time): the launched stop's one line is tests/test_train.py's bad data file."""
     args = ("--model", model_without_dropout, "--data", data[0], "--max_steps", 6, "--save_steps", 1)
     args += ("--save_total_limit", 2, "--max_bad_steps", 3)
-    done = launch_with_faults(tmp_path, *args, faults={"GRADCACHE_FAULT_NAN": "4,5,6"}, check=False)
-    assert done.returncode != 0
+    with pytest.raises(SystemExit) as stopped:
+        run_with_faults(tmp_path, *args, faults={"GRADCACHE_FAULT_NAN": "4,5,6"})
     step_3 = tmp_path / "checkpoints" / "step_3"
-    assert "3 steps in a row (through step 6)" in done.stderr
-    assert f"The last checkpoint before them is {step_3}: resume from it" in done.stderr
+    assert str(stopped.value).startswith("train.py: error: 3 steps in a row (through step 6)")
+    assert f"The last checkpoint before them is {step_3}: resume from it" in str(stopped.value)
     assert not (tmp_path / "final").exists()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_3"]
 
@@ -305,11 +350,18 @@ def test_non_finite_steps_from_the_start_stop_saying_there_is_no_checkpoint(
 def test_out_of_memory_halves_the_chunk_and_keeps_the_gradients(
     processes, tmp_path, data, model_without_dropout
 ):
+    """With --auto_chunk_size a chunk that runs out of memory (on rank 1 only with two processes) is halved,
+    and the run equals one with the halved chunk from the start. Two processes are launched; one runs in
+    this process (suite time)."""
     args = ("--model", model_without_dropout, "--data", data[0], "--max_steps", 2, "--chunk_size", 4)
     faults = {"GRADCACHE_FAULT_OOM_ABOVE": "2"} | ({"GRADCACHE_FAULT_RANK": "1"} if processes == 2 else {})
     # Without --auto_chunk_size the run stops, naming both ways out: tests/test_chunks.py, in this process.
-    launch_with_faults(tmp_path / "auto", *args, "--auto_chunk_size", faults=faults, processes=processes)
-    launch_with_faults(tmp_path / "small", *args[:-2], "--chunk_size", 2, processes=processes)
+    if processes == 2:
+        launch_with_faults(tmp_path / "auto", *args, "--auto_chunk_size", faults=faults, processes=processes)
+        launch_with_faults(tmp_path / "small", *args[:-2], "--chunk_size", 2, processes=processes)
+    else:
+        run_with_faults(tmp_path / "auto", *args, "--auto_chunk_size", faults=faults)
+        run_with_faults(tmp_path / "small", *args[:-2], "--chunk_size", 2)
     auto, small = weights(tmp_path / "auto" / "final"), weights(tmp_path / "small" / "final")
     assert max((auto[name] - small[name]).abs().max().item() for name in small) <= 1e-6
     assert [value for _, value in logged_scalars(tmp_path / "auto")["train/chunk_size"]] == [2, 2]
@@ -321,22 +373,25 @@ def test_out_of_memory_halves_the_chunk_and_keeps_the_gradients(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_fp16_overflows_are_skipped_by_the_scaler_and_training_goes_on(tmp_path, data, model_without_dropout):
+def test_fp16_overflows_are_skipped_by_the_scaler_and_training_goes_on(
+    tmp_path, data, model_without_dropout, capsys
+):
     """accelerate's real fp16 path on a CPU (float16 autocast, a CPU GradScaler: see tests/faults), starting
     at a scale that overflows the first steps, more of them in a row than --max_bad_steps; a NaN loss at
-    step 5 is a bad step, and must leave the scaler working."""
+    step 5 is a bad step, and must leave the scaler working. In this process (suite time)."""
     args = ("--model", model_without_dropout, "--data", data[0], "--max_steps", 6, "--save_steps", 3)
     faults = {"GRADCACHE_FP16_SCALER": str(2.0**20), "GRADCACHE_FAULT_NAN": "5"}
-    done = launch_with_faults(tmp_path, *args, "--max_bad_steps", 2, faults=faults)
-    assert "mixed_precision: fp16" in done.stdout
+    run_with_faults(tmp_path, *args, "--max_bad_steps", 2, faults=faults)
+    done = capsys.readouterr()
+    assert "mixed_precision: fp16" in done.out
     logged = {tag: dict(values) for tag, values in logged_scalars(tmp_path).items()}
     scales, skipped = logged["train/loss_scale"], logged["train/skipped_steps"]
     overflows = [step for step in scales if scales[step] < scales.get(step - 1, 2.0**20)]
     assert len(overflows) > 2 and overflows == list(range(1, len(overflows) + 1))  # the first steps
-    assert all(f"step {step}: fp16 overflow, update skipped" in done.stdout for step in overflows)
+    assert all(f"step {step}: fp16 overflow, update skipped" in done.out for step in overflows)
     assert logged["train/nonfinite_steps"] == {step: float(step >= 5) for step in range(1, 7)}
     assert skipped[6] == len(overflows) + 1  # the overflows and the NaN, no more
-    assert "step 5: loss or gradient not finite, update skipped" in done.stdout
+    assert "step 5: loss or gradient not finite, update skipped" in done.out
     initial, final = weights(model_without_dropout), weights(tmp_path / "final")
     if len(overflows) >= 3:  # no overflowing update reached the weights
         step_3 = checkpoint_weights(tmp_path / "checkpoints" / "step_3")
