@@ -118,8 +118,9 @@ def launch(
 
 
 def run_main(monkeypatch, *argv):
-    """train.main in this process, as a one-process launch, for what stops it before training: cheaper than a
-    launch. Its Accelerator is undone afterwards."""
+    """train.main in this process, as a one-process launch: no new interpreter importing torch and
+    sentence-transformers again, so seconds cheaper than a launch. Its Accelerator, environment and signal
+    handlers are undone afterwards."""
     from accelerate.state import AcceleratorState, GradientState
 
     # Main sets it from --max_grad_norm: "auto" here, so that the test undoes it (a launch after this would
