@@ -441,8 +441,13 @@ def guide_table(points, args):
     return "\n\n".join(
         [
             "e. The guide model's encoding, train.guide_representations (full all-MiniLM-L6-v2 as the guide, "
-            "every column of the batch, no gradients): peak above the process before it, each point in a "
-            "fresh process, the representations it returns counted apart.",
+            "every column of the batch, no gradients): peak above the process before it, "
+            + (
+                "every point in one process"
+                if getattr(args, "guide_one_process", False) or args.device.startswith("cuda")
+                else "each point in a fresh process"
+            )
+            + ", the representations it returns counted apart.",
             harness.markdown_table(
                 [
                     "batch",
