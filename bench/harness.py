@@ -551,9 +551,10 @@ def measure_guide_memory(runs, device):
     The guide is all-MiniLM-L6-v2 loaded by train.load_model and frozen as train.load_guide freezes it.
     Each run, (batch_size, chunk_size), encodes `batch_size` training rows, {column: texts}, as train.py
     passes them, chunk_size texts at a time (train.py's --chunk_size), after a warm-up on one chunk of
-    other rows. The window holds the encoding and the representations it returns (fp32, batch x columns x
-    d), reported apart. Several runs share the process (and its imports: train.py takes seconds to
-    import); measure_in_fresh_process with one run each keeps them apart.
+    other rows (those after the batch: the batch is the first `batch_size` rows whatever the chunk, so a
+    smaller batch is the start of a larger one). The window holds the encoding and the representations it
+    returns (fp32, batch x columns x d), reported apart. Several runs share the process (and its imports:
+    train.py takes seconds to import); measure_in_fresh_process with one run each keeps them apart.
     """
     import train
 
@@ -567,9 +568,9 @@ def measure_guide_memory(runs, device):
         warmup = min(chunk_size, batch_size)
         texts = load_texts(batch_size + warmup, repeat=torch.device(device).type == "cuda")
         args = argparse.Namespace(chunk_size=chunk_size)
-        train.guide_representations(args, guide, {c: texts[c][:warmup] for c in COLUMNS}, gather)
-        batch = {column: texts[column][warmup:] for column in COLUMNS}
-        longest = longest_text(text_batch(guide, texts, warmup, batch_size))
+        train.guide_representations(args, guide, {c: texts[c][batch_size:] for c in COLUMNS}, gather)
+        batch = {column: texts[column][:batch_size] for column in COLUMNS}
+        longest = longest_text(text_batch(guide, texts, 0, batch_size))
         baseline = start_peak_window(device)
         reps = train.guide_representations(args, guide, batch, gather)
         points.append(

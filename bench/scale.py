@@ -381,7 +381,9 @@ def loss_time_table(points, args):
 
 
 def mask_cell(point):
-    return f"{harness.mib(point['added_bytes'])} ({point['masked_fraction']:.1%})"
+    """Its MiB and the candidates it masked per anchor (the share of the batch's 2B - 1 times that)."""
+    per_anchor = point["masked_fraction"] * (point["batch_size"] * (point["num_columns"] - 1) - 1)
+    return f"{harness.mib(point['added_bytes'])} ({per_anchor:.2f})"
 
 
 def masked_loss_table(points, args):
@@ -408,7 +410,7 @@ def masked_loss_table(points, args):
         "batch",
         "inputs (MiB)",
         "masks' inputs, all three (MiB)",
-        *[f"{MASK_LABELS[v]} (MiB, share masked)" for v in variants],
+        *[f"{MASK_LABELS[v]} (MiB, masked per anchor)" for v in variants],
         "all three minus unmasked (MiB)",
         "all three / unmasked",
     ]
@@ -418,8 +420,8 @@ def masked_loss_table(points, args):
             f"repeat, two known positives per anchor), margin {harness.FALSE_NEGATIVE_MARGIN} (absolute), "
             f"guide (a second set of d = {DIM} representations), and all three. Peak above the inputs, the "
             "masks' own inputs (ids, guide representations) allocated before it and listed apart; each point "
-            "in a fresh process. The share of candidates masked is from random representations: the memory "
-            "does not depend on it.",
+            "in a fresh process. The candidates masked per anchor (of 2B - 1) are those of random "
+            "representations and ids: the memory does not depend on how many.",
             harness.markdown_table(header, rows),
         ]
     )
