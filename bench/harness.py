@@ -459,7 +459,139 @@ def measure_loss_memory(kind, batch_size, dim, num_columns, device, cap_bytes=No
     }
 
 
-WORKERS = {"step_memory": measure_step_memory, "loss_memory": measure_loss_memory}
+MASKS = ("identity", "margin", "guide")  # gradcache.FalseNegatives' three kinds, as train.py's flags set them
+FALSE_NEGATIVE_MARGIN = 0.1  # --false_negative_margin 0.1 (absolute, Qwen3-Embedding's)
+
+
+def false_negative_masks(masks, batch_size, dim, num_columns, device, seed=1):
+    """A gradcache.FalseNegatives with the `masks` named (of MASKS) on, as train.false_negatives builds it:
+
+    identity  one int64 id per text of every column, drawn from batch_size values, so that texts repeat
+              within and across columns, and two other known positives per anchor (-1 for half of them:
+              train.py pads the rows with fewer);
+    margin    FALSE_NEGATIVE_MARGIN, absolute;
+    guide     a second set of fp32 representations of every column, as train.guide_representations
+              returns them (d = `dim`), the positives near their anchors; --guide_margin 0.
+
+    Returns the masks and the bytes of their own inputs (ids, guide representations), which train.py holds
+    before the step as it holds the representations.
+    """
+    unknown = set(masks) - set(MASKS)
+    if unknown:
+        raise ValueError(f"unknown masks {sorted(unknown)}, expected some of {MASKS}")
+    generator = torch.Generator(device).manual_seed(seed)
+    options, inputs = {}, []
+    if "identity" in masks:
+        ids = [
+            torch.randint(batch_size, (batch_size,), generator=generator, device=device)
+            for _ in range(num_columns)
+        ]
+        others = torch.randint(batch_size, (batch_size, 2), generator=generator, device=device)
+        others[batch_size // 2 :] = -1
+        options |= dict(ids=ids, other_positives=others)
+        inputs += [*ids, others]
+    if "margin" in masks:
+        options |= dict(margin=FALSE_NEGATIVE_MARGIN)
+    if "guide" in masks:
+        guide = [torch.randn(batch_size, dim, generator=generator, device=device) for _ in range(num_columns)]
+        guide[1] = guide[0] + 0.5 * guide[1]
+        options |= dict(guide=guide, guide_margin=0.0)
+        inputs += guide
+    return gradcache.FalseNegatives(**options), sum(t.numel() * t.element_size() for t in inputs)
+
+
+def measure_masked_loss_memory(masks, batch_size, dim, num_columns, device, tile_size=None):
+    """Peak memory of stage 2 alone, the tiled loss with the false-negative `masks` on (none: unmasked).
+
+    As measure_loss_memory: random fp32 representations and, here, the masks' own inputs (ids, the guide's
+    representations) are allocated before the window; the window sees the loss's work, the masks included
+    (the per-tile masks, the ids and thresholds they are built from, the guide's normalized copies), and
+    the representation gradients. The loss gets a stats dict, as train.py passes one.
+    """
+
+    def masked_loss(masks, size):
+        false_negatives, mask_bytes = (
+            false_negative_masks(masks, size, dim, num_columns, device) if masks else (None, 0)
+        )
+        stats = {}
+        return (
+            partial(
+                contrastive_loss,
+                scale=SCALE,
+                tile_size=tile_size,
+                false_negatives=false_negatives,
+                stats=stats,
+            ),
+            stats,
+            mask_bytes,
+        )
+
+    loss_fn, _, _ = masked_loss(masks, 8)
+    loss_and_gradients(loss_fn, random_representations(8, dim, num_columns, device))  # lazy initializations
+    loss_fn, stats, mask_bytes = masked_loss(masks, batch_size)
+    reps = random_representations(batch_size, dim, num_columns, device)
+    baseline = start_peak_window(device)
+    loss_and_gradients(loss_fn, reps)
+    return {
+        "masks": list(masks),
+        "batch_size": batch_size,
+        "dim": dim,
+        "num_columns": num_columns,
+        "tile_size": tile_size,
+        "input_bytes": sum(rep.numel() * rep.element_size() for rep in reps),
+        "mask_input_bytes": mask_bytes,
+        "added_bytes": peak_since_window(device) - baseline,
+        "masked_fraction": stats["masked_fraction"],
+    }
+
+
+def measure_guide_memory(runs, device):
+    """Peak memory of train.guide_representations on one batch per run, above the state before it.
+
+    The guide is all-MiniLM-L6-v2 loaded by train.load_model and frozen as train.load_guide freezes it.
+    Each run, (batch_size, chunk_size), encodes `batch_size` training rows, {column: texts}, as train.py
+    passes them, chunk_size texts at a time (train.py's --chunk_size), after a warm-up on one chunk of
+    other rows (those after the batch: the batch is the first `batch_size` rows whatever the chunk, so a
+    smaller batch is the start of a larger one). The window holds the encoding and the representations it
+    returns (fp32, batch x columns x d), reported apart. Several runs share the process (and its imports:
+    train.py takes seconds to import); measure_in_fresh_process with one run each keeps them apart.
+    """
+    import train
+
+    guide = train.load_model(model_path(), device, say=lambda *_: None).eval().requires_grad_(False)
+
+    def gather(local):
+        return local  # one process
+
+    points = []
+    for batch_size, chunk_size in runs:
+        warmup = min(chunk_size, batch_size)
+        texts = load_texts(batch_size + warmup, repeat=torch.device(device).type == "cuda")
+        args = argparse.Namespace(chunk_size=chunk_size)
+        train.guide_representations(args, guide, {c: texts[c][batch_size:] for c in COLUMNS}, gather)
+        batch = {column: texts[column][:batch_size] for column in COLUMNS}
+        longest = longest_text(text_batch(guide, texts, 0, batch_size))
+        baseline = start_peak_window(device)
+        reps = train.guide_representations(args, guide, batch, gather)
+        points.append(
+            {
+                "batch_size": batch_size,
+                "chunk_size": chunk_size,
+                "longest_text_tokens": longest,
+                "added_bytes": peak_since_window(device) - baseline,
+                "output_bytes": sum(rep.numel() * rep.element_size() for rep in reps),
+            }
+        )
+        del reps
+    return points
+
+
+WORKERS = {
+    "step_memory": measure_step_memory,
+    "loss_memory": measure_loss_memory,
+    "masked_loss_memory": measure_masked_loss_memory,
+    "guide_memory": measure_guide_memory,
+}
 
 
 def measure_in_fresh_process(worker="step_memory", **kwargs):

@@ -22,13 +22,14 @@ SECTIONS = {
     "speed": "2. Cost of a step",
     "memory_cap": "3. Largest batch under a memory cap",
     "quality": "4. Batch size and quality",
-    "scale": "5. How far the batch goes: full steps to 65,536 and the loss stage alone",
+    "scale": "5. How far the batch goes: full steps to 65,536, the loss stage alone, its masks, the guide",
     "checkpointing": "6. Gradient checkpointing inside the chunks: memory saved, time paid",
 }
 DEVICES = {"cpu": "", "gpu": " --device cuda --preset gpu", "smoke": " --preset smoke"}
 MEMORY_TARGET, ST_TARGET, PLAIN_TARGET, TILED_TIME_TARGET = 1.15, 0.7, 1.25, 1.3
 ST_TARGET_MIN_BATCH, TILED_TIME_MAX_BATCH, FULL_STEP_BATCH = 256, 4096, 65536
 LOSS_STAGE_TARGETS = {16384: 2**30, 65536: 2 * 2**30}  # batch -> bytes the loss stage may add
+MASKED_LOSS_TARGET = (16384, 2**30)  # with the false-negative masks on, their inputs counted too
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--results_dir", default=str(BENCH_DIR / "results"))
@@ -323,7 +324,75 @@ def scale_targets(saved):
                 "met" if fits else "missed: did not fit",
             ]
         )
-    return rows, []
+    masked_rows, why = masked_loss_targets(results)
+    return rows + masked_rows + guide_targets(results), why
+
+
+def masked_loss_targets(results):
+    """The loss stage with every false-negative mask on (scale.py part d) against the 1 GiB target."""
+    batch, limit = MASKED_LOSS_TARGET
+    target = (
+        f"masked loss stays tiled: at batch {batch:,}, identity, margin and guide masks on, the loss stage "
+        f"adds at most {mib(limit)}, masks included"
+    )
+    points = {(p["variant"], p["batch_size"]): p for p in results.get("masked_loss_memory", [])}
+    masked, unmasked = points.get(("all", batch)), points.get(("none", batch))
+    if masked is None:
+        return [[target, "-", "not measured: `python bench/scale.py`, part d"]], []
+    total = masked["added_bytes"] + masked["mask_input_bytes"]
+    measured = (
+        f"{mib(total)}: {mib(masked['added_bytes'])} above the representations and the masks' inputs, plus "
+        f"{mib(masked['mask_input_bytes'])} of those inputs (ids, guide representations)"
+    )
+    if unmasked is not None:
+        added = masked["added_bytes"] - unmasked["added_bytes"]
+        measured += (
+            f"; unmasked {mib(unmasked['added_bytes'])} in the same run, so the masks add {mib(added)} "
+            f"({masked['added_bytes'] / unmasked['added_bytes']:.2f}x)"
+        )
+    measured += " (stage 2 alone, random representations)"
+    why = []
+    if total > limit:
+        each = [
+            f"{variant} {mib(points[variant, batch]['added_bytes'])}"
+            for variant in ("none", "identity", "margin", "guide", "all")
+            if (variant, batch) in points
+        ]
+        why.append(f"Masked loss at batch {batch:,}, above the representations: " + ", ".join(each) + ".")
+    return [[target, measured, verdict(total, limit)]], why
+
+
+def guide_targets(results):
+    """The guide's encoding (scale.py part e): one chunk if, at the larger batch, it needs less than the
+    smaller batch encoded at once; encoding the whole batch would need more than that."""
+    target = "the guide model's memory is one chunk: it never encodes the whole batch at once"
+    points = results.get("guide_memory")
+    if not points:
+        return [[target, "-", "not measured: `python bench/scale.py`, part e"]]
+    chunked = sorted((p for p in points if p["chunk_size"] < p["batch_size"]), key=lambda p: p["batch_size"])
+    at_once = [p for p in points if p["chunk_size"] >= p["batch_size"]]
+    small, large, whole = chunked[0], chunked[-1], at_once[0]
+
+    def own(point):  # the encoding's own memory: its peak less the representations it returns
+        return point["added_bytes"] - point["output_bytes"]
+
+    growth = large["batch_size"] / small["batch_size"]
+    measured = (
+        f"train.guide_representations, chunks of {small['chunk_size']} texts, peak less the representations "
+        f"it returns: {mib(own(small))} at batch {small['batch_size']:,}, {mib(own(large))} at batch "
+        f"{large['batch_size']:,} ({own(large) / own(small):.2f}x for {growth:.0f}x the batch); batch "
+        f"{whole['batch_size']:,} encoded at once: {mib(own(whole))}"
+    )
+    if own(large) < own(whole):
+        word = (
+            f"met: at {growth:.0f}x the batch, less than batch {whole['batch_size']:,} encoded at once "
+            f"({own(large) / own(whole):.2f}x)"
+        )
+    else:
+        word = (
+            f"missed: at batch {large['batch_size']:,}, not less than batch {whole['batch_size']:,} at once"
+        )
+    return [[target, measured, word]]
 
 
 def checkpointing_claim(saved):

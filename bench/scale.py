@@ -1,6 +1,6 @@
-"""Benchmark 5: how far the batch goes, and what the loss stage costs on the way.
+"""Benchmark 5: how far the batch goes, and what the loss stage costs on the way, false-negative masks on.
 
-Three parts, on anchor, positive and hard-negative columns (d = 384 representations):
+Five parts, on anchor, positive and hard-negative columns (d = 384 representations):
 
     a. steps   peak memory of one full training step of gradcache_step (AdamW included) from batch 64 up,
                on data/wordnet_train.jsonl.gz; each point in a fresh process (CPU) as in bench/memory.py,
@@ -14,8 +14,28 @@ Three parts, on anchor, positive and hard-negative columns (d = 384 representati
                fits under --loss_cap_gib.
     c. time    seconds of stage 2 alone, tiled against materialized, in one process, alternating, where
                both fit: the median of the per-round ratios.
+    d. masks   stage 2 alone as in b, the tiled loss with train.py's false-negative masks on
+               (gradcache.FalseNegatives, built by harness.false_negative_masks): identity (text ids that
+               repeat within and across columns, and two known positives per anchor), margin
+               (--false_negative_margin 0.1), guide (a second set of fp32 representations, d = 384, as
+               train.guide_representations returns them), and all three together, side by side with the
+               unmasked loss, each point in a fresh process. Peak above the inputs; the masks' own inputs
+               (ids, guide representations: train.py holds them before the step, as it holds the
+               representations) are allocated before the window and reported apart, so that "masks
+               included" can count them too. The representations are random: the masks' memory does not
+               depend on what they mask (the share masked is reported, not claimed).
+    e. guide   peak memory of train.guide_representations itself (the guide encoding every column of the
+               batch, chunk_size texts at a time, without gradients) at two batch sizes with the same
+               chunk, and at the smaller batch encoded at once (chunk = batch) for contrast; each point in
+               a fresh process (the smoke preset: one process, as train.py takes seconds to import), full
+               all-MiniLM-L6-v2 as the guide. The window also holds the
+               representations it returns (batch x columns x d, fp32), reported apart: what is left, the
+               encoding's own memory, stays flat as the batch grows if the guide never holds more than a
+               chunk (sentence-transformers' encode also stacks one column's rows at its end: O(batch x d)).
+               The cheapest honest reading: the real function, on real texts, two batch sizes; no training
+               step is needed, since the guide runs before the step and holds nothing of it.
 
-    python bench/scale.py                             # CPU: to 65,536; about 50 min on 2 quiet cores (est.)
+    python bench/scale.py                             # CPU: to 65,536; about 55 min on 2 quiet cores (est.)
     python bench/scale.py --device cuda --preset gpu  # one H200: to 1,048,576, full model; 10-15 min (est.)
     python bench/scale.py --preset smoke              # seconds: the test suite runs this
 
@@ -31,6 +51,22 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+# part d's variants: the masks each turns on (harness.MASKS)
+MASK_VARIANTS = {
+    "none": [],
+    "identity": ["identity"],
+    "margin": ["margin"],
+    "guide": ["guide"],
+    "all": list(harness.MASKS),
+}
+MASK_LABELS = {
+    "none": "unmasked",
+    "identity": "identity",
+    "margin": f"margin {harness.FALSE_NEGATIVE_MARGIN}",
+    "guide": "guide",
+    "all": "all three",
+}
+
 PRESETS = {
     "cpu": {
         "step_batch_sizes": [4**k for k in range(3, 9)],  # 64 .. 65,536
@@ -44,6 +80,13 @@ PRESETS = {
         "loss_cap_gib": 8.0,
         "time_batch_sizes": [256, 1024, 4096],
         "time_rounds": 3,
+        # d: about 20 s per variant at 16,384 on 2 cores (the guide mask adds one product per tile)
+        "mask_batch_sizes": [1024, 4096, 16384],
+        "mask_variants": list(MASK_VARIANTS),
+        # e: train.py's default guide chunk (--chunk_size, else 32); 3 x 4096 texts through the full model
+        "guide_batch_sizes": [512, 4096],
+        "guide_chunk_size": 32,
+        "guide_one_process": False,
     },
     "gpu": {
         "step_batch_sizes": [4**k for k in range(3, 11)],  # 64 .. 1,048,576
@@ -56,6 +99,11 @@ PRESETS = {
         "loss_cap_gib": None,
         "time_batch_sizes": [1024, 4096, 16384],  # the materialized one needs about 100 GiB at 65,536
         "time_rounds": 3,
+        "mask_batch_sizes": [4096, 16384, 65536],
+        "mask_variants": list(MASK_VARIANTS),
+        "guide_batch_sizes": [8192, 65536],
+        "guide_chunk_size": 256,
+        "guide_one_process": True,  # CUDA's allocator statistics are exact per window
     },
     # the test suite's: one step of the cut model, and a loss batch where the materialized loss does not
     # fit under a small cap (it needs about 108 MiB; the tiled one, with 2048 x 2048 tiles, 55 MiB)
@@ -70,6 +118,11 @@ PRESETS = {
         "loss_cap_gib": 80 / 1024,
         "time_batch_sizes": [256],
         "time_rounds": 1,
+        "mask_batch_sizes": [256],
+        "mask_variants": ["none", "all"],
+        "guide_batch_sizes": [16, 64],
+        "guide_chunk_size": 8,
+        "guide_one_process": True,
     },
 }
 DIM, NUM_COLUMNS = 384, 3
@@ -87,6 +140,13 @@ parser.add_argument("--loss_cap_gib", type=float, help="memory the loss may use 
 parser.add_argument("--tile_size", type=int, help="the tiled loss's tile (default: its own choice)")
 parser.add_argument("--time_batch_sizes", type=int, nargs="+", help="batches of part c")
 parser.add_argument("--time_rounds", type=int, help="measured rounds per batch of part c")
+parser.add_argument("--mask_batch_sizes", type=int, nargs="+", help="batches of part d")
+parser.add_argument("--mask_variants", nargs="+", choices=MASK_VARIANTS, help="masks of part d")
+parser.add_argument("--guide_batch_sizes", type=int, nargs=2, help="the two batches of part e")
+parser.add_argument("--guide_chunk_size", type=int, help="texts the guide encodes at a time (part e)")
+parser.add_argument(
+    "--guide_one_process", action="store_true", default=None, help="part e's runs in one process"
+)
 
 
 def measure_point(args, worker, **kwargs):
@@ -163,11 +223,53 @@ def measure_loss_time(args):
     return points
 
 
+def measure_masked_loss(args):
+    points = []
+    for batch_size in args.mask_batch_sizes:
+        for variant in args.mask_variants:
+            point = measure_point(
+                args,
+                "masked_loss_memory",
+                masks=MASK_VARIANTS[variant],
+                batch_size=batch_size,
+                dim=DIM,
+                num_columns=NUM_COLUMNS,
+                tile_size=args.tile_size,
+            )
+            points.append({"variant": variant, **point})
+            print(
+                f"{MASK_LABELS[variant]:>12} loss batch {batch_size:>8}: {harness.mib(point['added_bytes'])} "
+                f"MiB, {point['masked_fraction']:.1%} masked",
+                flush=True,
+            )
+    return points
+
+
+def measure_guide(args):
+    """The two batches with the same chunk, then the smaller one encoded at once; a fresh process per run
+    on CPU unless --guide_one_process (the smoke: train.py's imports take seconds in each process)."""
+    small = min(args.guide_batch_sizes)
+    runs = [(batch, args.guide_chunk_size) for batch in args.guide_batch_sizes] + [(small, small)]
+    if args.guide_one_process or args.device.startswith("cuda"):
+        points = harness.measure_guide_memory(runs, device=args.device)
+    else:
+        points = [point for run in runs for point in measure_point(args, "guide_memory", runs=[run])]
+    for point in points:
+        print(
+            f"guide batch {point['batch_size']:>8}, chunk {point['chunk_size']:>6}: "
+            f"{harness.mib(point['added_bytes'])} MiB",
+            flush=True,
+        )
+    return points
+
+
 def measure(args):
     return {
         "steps": measure_steps(args),
         "loss_memory": measure_loss_memory(args),
         "loss_time": measure_loss_time(args),
+        "masked_loss_memory": measure_masked_loss(args),
+        "guide_memory": measure_guide(args),
     }
 
 
@@ -278,6 +380,92 @@ def loss_time_table(points, args):
     )
 
 
+def mask_cell(point):
+    """Its MiB and the candidates it masked per anchor (the share of the batch's 2B - 1 times that)."""
+    per_anchor = point["masked_fraction"] * (point["batch_size"] * (point["num_columns"] - 1) - 1)
+    return f"{harness.mib(point['added_bytes'])} ({per_anchor:.2f})"
+
+
+def masked_loss_table(points, args):
+    by_key = {(p["variant"], p["batch_size"]): p for p in points}
+    variants = [v for v in MASK_VARIANTS if v in args.mask_variants]
+    rows = []
+    for batch_size in args.mask_batch_sizes:
+        measured = {v: by_key[v, batch_size] for v in variants if (v, batch_size) in by_key}
+        if not measured:
+            continue
+        unmasked, masked = measured.get("none"), measured.get("all")
+        both = unmasked and masked
+        rows.append(
+            [
+                batch_size,
+                harness.mib(next(iter(measured.values()))["input_bytes"]),
+                harness.mib(max(p["mask_input_bytes"] for p in measured.values())),
+                *[mask_cell(measured[v]) if v in measured else "-" for v in variants],
+                harness.mib(masked["added_bytes"] - unmasked["added_bytes"]) if both else "-",
+                f"{masked['added_bytes'] / unmasked['added_bytes']:.2f}x" if both else "-",
+            ]
+        )
+    header = [
+        "batch",
+        "inputs (MiB)",
+        "masks' inputs, all three (MiB)",
+        *[f"{MASK_LABELS[v]} (MiB, masked per anchor)" for v in variants],
+        "all three minus unmasked (MiB)",
+        "all three / unmasked",
+    ]
+    return "\n\n".join(
+        [
+            f"d. Stage 2 alone as in b, the tiled loss with the false-negative masks on: identity (ids that "
+            f"repeat, two known positives per anchor), margin {harness.FALSE_NEGATIVE_MARGIN} (absolute), "
+            f"guide (a second set of d = {DIM} representations), and all three. Peak above the inputs, the "
+            "masks' own inputs (ids, guide representations) allocated before it and listed apart; each point "
+            "in a fresh process. The candidates masked per anchor (of 2B - 1) are those of random "
+            "representations and ids: the memory does not depend on how many.",
+            harness.markdown_table(header, rows),
+        ]
+    )
+
+
+def guide_table(points, args):
+    rows = [
+        [
+            point["batch_size"],
+            point["chunk_size"],
+            "yes" if point["chunk_size"] >= point["batch_size"] else "no",
+            point["longest_text_tokens"],
+            harness.mib(point["added_bytes"]),
+            harness.mib(point["output_bytes"]),
+            harness.mib(point["added_bytes"] - point["output_bytes"]),
+        ]
+        for point in points
+    ]
+    return "\n\n".join(
+        [
+            "e. The guide model's encoding, train.guide_representations (full all-MiniLM-L6-v2 as the guide, "
+            "every column of the batch, no gradients): peak above the process before it, "
+            + (
+                "every point in one process"
+                if getattr(args, "guide_one_process", False) or args.device.startswith("cuda")
+                else "each point in a fresh process"
+            )
+            + ", the representations it returns counted apart.",
+            harness.markdown_table(
+                [
+                    "batch",
+                    "chunk (texts)",
+                    "whole batch at once",
+                    "longest text (tokens)",
+                    "peak (MiB)",
+                    "representations returned (MiB)",
+                    "peak minus returned (MiB)",
+                ],
+                rows,
+            ),
+        ]
+    )
+
+
 def plot(results, args, path):
     figure, (steps_axes, loss_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
     steps = [point for point in results["steps"] if point["fits"]]
@@ -305,7 +493,16 @@ def plot(results, args, path):
                 color="black",
                 label=f"{kind}: did not fit in {harness.mib(args.loss_cap_gib * 2**30)} MiB",
             )
-    harness.log_axes(loss_axes, "MiB above the inputs", "b. The loss stage alone")
+    for variant in ("all",):
+        masked = [p for p in results.get("masked_loss_memory", []) if p["variant"] == variant]
+        if masked:
+            loss_axes.plot(
+                [p["batch_size"] for p in masked],
+                [p["added_bytes"] / 2**20 for p in masked],
+                marker="^",
+                label=f"tiled, masks: {MASK_LABELS[variant]} (d)",
+            )
+    harness.log_axes(loss_axes, "MiB above the inputs", "b, d. The loss stage alone")
     harness.save_figure(figure, path)
 
 
@@ -315,6 +512,9 @@ def table(results, args):
         loss_memory_table(results["loss_memory"], args),
         loss_time_table(results["loss_time"], args),
     ]
+    if "masked_loss_memory" in results:  # results saved before parts d and e have neither
+        tables.append(masked_loss_table(results["masked_loss_memory"], args))
+        tables.append(guide_table(results["guide_memory"], args))
     return "\n\n".join(tables)
 
 

@@ -201,6 +201,22 @@ def test_scale_cut_model_step_and_loss_stage_under_a_cap(smoke_run):
     (timed,) = results["loss_time"]
     assert all(len(seconds) == settings["time_rounds"] for seconds in timed["seconds"].values())
     assert "did not fit in" in markdown and "first 1 layer(s)" in markdown
+    # d: the masked loss beside the unmasked one, same batch; the masks' inputs counted apart
+    masked = {point["variant"]: point for point in results["masked_loss_memory"]}
+    assert set(masked) == set(settings["mask_variants"]) == {"none", "all"}
+    assert masked["all"]["masks"] == ["identity", "margin", "guide"] and masked["none"]["masks"] == []
+    assert masked["none"]["mask_input_bytes"] == 0 < masked["all"]["mask_input_bytes"]
+    # the masks mask something (repeated ids, the margin, the guide), the unmasked loss nothing
+    assert masked["none"]["masked_fraction"] == 0 < masked["all"]["masked_fraction"] < 1
+    assert all(point["added_bytes"] > 0 for point in masked.values())
+    # e: train.guide_representations at two batches with one chunk, then the smaller one at once
+    guide = [(point["batch_size"], point["chunk_size"]) for point in results["guide_memory"]]
+    small, large = settings["guide_batch_sizes"]
+    chunk = settings["guide_chunk_size"]
+    assert guide == [(small, chunk), (large, chunk), (small, small)]
+    for point in results["guide_memory"]:  # fp32 representations of 3 columns, d = 384
+        assert point["output_bytes"] == point["batch_size"] * 3 * 384 * 4 and point["added_bytes"] > 0
+    assert "all three / unmasked" in markdown and "peak minus returned" in markdown
 
 
 def test_checkpointing_measured_as_train_py_applies_it(smoke_run):
