@@ -1050,6 +1050,9 @@ class FalseNegatives:
     other_positives: torch.Tensor | None = None
     guide: Sequence | None = None
     guide_margin: float = 0.0
+    # The guide's columns normalized, once per batch: each Matryoshka dimension's loss call, each chunk's
+    # group_loss call, would otherwise hold its own copy of the whole batch's until backward.
+    normalized_guide: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def tile_masks(self, anchor, positive, num_negatives, rows, scale):
         """The masks of the two directions: anchors against candidates, positives against anchors."""
@@ -1071,9 +1074,9 @@ class FalseNegatives:
                 positive_similarity = (anchor[rows] * positive[rows]).sum(dim=-1)
                 thresholds = self.threshold(positive_similarity) * scale  # tiles hold scaled scores
         if self.guide is not None:
-            guide_anchor, guide_positive, *guide_negatives = self.guide_columns(anchor.device)
+            guide_anchor, guide_positive, *_ = self.guide_columns(anchor.device)
             guide_thresholds = (guide_anchor[rows] * guide_positive[rows]).sum(-1) + self.guide_margin
-            guide_candidates = torch.cat([guide_positive, *guide_negatives])
+            guide_candidates = self.normalized_guide[anchor.device][1]
             guided = GuideScores(guide_anchor[rows], guide_candidates, guide_thresholds)
             reverse_guided = GuideScores(guide_positive[rows], guide_anchor, guide_thresholds)
         return TileMask(query_ids, key_ids, thresholds, guided), TileMask(
@@ -1081,7 +1084,10 @@ class FalseNegatives:
         )
 
     def guide_columns(self, device):
-        return [F.normalize(torch.as_tensor(g, device=device).float(), dim=-1) for g in self.guide]
+        if device not in self.normalized_guide:
+            columns = [F.normalize(torch.as_tensor(g, device=device).float(), dim=-1) for g in self.guide]
+            self.normalized_guide[device] = columns, torch.cat(columns[1:])  # and the candidates
+        return self.normalized_guide[device][0]
 
     def group_mask(self, similarities, rows):
         """Which hard negatives leave their row's group (`group_loss`): rows x k, from the rows' similarities
