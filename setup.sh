@@ -9,3 +9,10 @@ if [ "${1:-}" = "--dev" ] && [ ! -f /usr/share/wordnet/data.noun ]; then
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check -r requirements.txt
+if [ "${1:-}" = "--dev" ]; then
+  # DeepSpeed compiles its CPU communication extension at its first launch (a minute on 2 cores): here,
+  # once, rather than inside the first DeepSpeed test.
+  DS_ACCELERATOR=cpu .venv/bin/python -c "from deepspeed.accelerator import get_accelerator
+get_accelerator().create_op_builder('ShareMemCommBuilder').load()" >/dev/null ||
+    echo "setup.sh: DeepSpeed's CPU extension did not build here; its first launch will try again" >&2
+fi
