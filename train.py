@@ -1029,7 +1029,7 @@ class SourceMix(torch.utils.data.Sampler):
                     f"in a batch, and it gives {len(order)}. Lower --batch_size, or leave the source out."
                 )
         self.seed, self.weights, self.sampling = args.seed, args.data_weights, args.data_sampling
-        self.epoch = 0
+        self.epoch, self.steps_per_epoch = 0, len(self.schedule(0))  # the same every epoch
 
     def schedule(self, epoch):
         """The source of each optimizer step of `epoch`."""
@@ -1061,8 +1061,8 @@ class SourceMix(torch.utils.data.Sampler):
             indices = orders[source][1][step * self.step_size : (step + 1) * self.step_size]
             yield from ((source, source_pass, index) for index in indices)
 
-    def __len__(self):
-        return len(self.schedule(0)) * self.step_size
+    def __len__(self):  # asked often by the DataLoader and accelerate: no new schedule each time
+        return self.steps_per_epoch * self.step_size
 
 
 class SourceExamples(torch.utils.data.Dataset):
