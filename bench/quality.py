@@ -66,7 +66,6 @@ PRESETS = {
         "seeds": [1, 2, 3],
         "dev_queries": 2000,
     },
-    # the test suite's: one batch size, so the two runs that launch train.py with and without masks
     # the test suite's: one batch size, so the two runs that launch train.py with and without masks; a corpus
     # of the words of the first 64 dev records, not of all 2000 (each of the 3 scorings encodes it whole)
     "smoke": {
