@@ -33,6 +33,9 @@ FALSE_NEGATIVE_MARGIN = 0.04  # masks a few percent of the candidates of these u
 GUIDE = {"model": "shared", "margin": 0.04}  # "masked" rows: a frozen guide model masks too (GIST)
 DISTILLATION = {"weight": 0.5, "temperature": 2.0}
 COLUMNS = ("anchor", "positive", "negative_1")
+# Rows of two --data sources alternate them step by step: the row's own, then pairs (no hard negatives) with
+# a query prompt of their own and in-batch negatives on, and no teacher scores, whatever the first source has.
+SECOND_SOURCE = {"columns": COLUMNS[:2], "query_prompt": "find: "}
 WORDS = [f"w{i}" for i in range(60)]
 SEED = 1234
 
@@ -48,6 +51,7 @@ class Row:
     cross: bool  # --cross_process_negatives
     negatives: str  # "in-batch", "group" (--in_batch_negatives off)
     extra: str  # "none", "masked" (repeated texts, a margin and a guide model), "distilled" (teacher scores)
+    sources: int  # 1, or 2: steps from the row's source and SECOND_SOURCE in turn (several --data)
     tolerance: float = 1e-5  # max relative difference, losses and weight updates (fp32)
 
     @property
@@ -63,13 +67,15 @@ class Row:
             cross,
             self.negatives,
             self.extra,
+            f"{self.sources}src",
         )
         return "-".join(parts)
 
 
 def flags(row, model_folder, guide_folder=None):
     """The command-line flags of train.py that the row stands for (a "masked" row's guide: `guide_folder`)."""
-    chosen = ["--model", str(model_folder), "--data", "unused.jsonl", "--batch_size", 64]
+    data = ["first.jsonl", "second.jsonl"][: row.sources]  # never read: the worker makes the batches
+    chosen = ["--model", str(model_folder), "--data", *data, "--batch_size", 64]
     chosen += ["--chunk_tokens", CHUNK_TOKENS] if row.chunking == "tokens" else ["--chunk_size", CHUNK_SIZE]
     chosen += {"symmetric": ["--symmetric"], "one-way": []}.get(row.loss, [])
     if row.loss == "matryoshka":
@@ -78,23 +84,29 @@ def flags(row, model_folder, guide_folder=None):
         row.adapter
     ]
     chosen += ["--cross_process_negatives"] if row.cross else []
-    chosen += ["--in_batch_negatives", "off"] if row.negatives == "group" else []
+    # The per-source flags: one value per source where the sources differ, the second source's last.
+    if row.sources == 2:
+        chosen += ["--query_prompt", "", SECOND_SOURCE["query_prompt"]]
+    if row.negatives == "group":
+        chosen += ["--in_batch_negatives", "off", "on"][: 2 + row.sources - 1]
     chosen += ["--false_negative_margin", FALSE_NEGATIVE_MARGIN] if row.extra == "masked" else []
     if row.extra == "masked" and guide_folder:
         chosen += ["--guide_model", guide_folder, "--guide_margin", GUIDE["margin"]]
-    if row.extra == "distilled":
-        chosen += [
-            "--distill_weight",
-            DISTILLATION["weight"],
-            "--distill_temperature",
-            DISTILLATION["temperature"],
-        ]
+    if row.extra == "distilled":  # the second source has no teacher scores
+        chosen += ["--distill_weight", *[DISTILLATION["weight"], 0][: row.sources]]
+        chosen += ["--distill_temperature", DISTILLATION["temperature"]]
     return [str(flag) for flag in chosen]
+
+
+def source_of_step(row, step):
+    """The --data source of a step: rows of two sources take them in turn."""
+    return step % row.sources
 
 
 def global_batches(row):
     """NUM_STEPS global batches of texts, {column: texts}, 2-13 words each, every text distinct; "masked"
-    rows plant repeats (`plant_repeats`), "distilled" rows add random teacher scores, rows x (1 + k)."""
+    rows plant repeats (`plant_repeats`), "distilled" rows add random teacher scores, rows x (1 + k). The
+    steps of SECOND_SOURCE keep only its columns (of the repeats, the anchors')."""
     rng = random.Random(f"{row.name}")
     size = sum(batch_sizes(row))
     batches = [
@@ -114,6 +126,10 @@ def global_batches(row):
             batch["teacher_scores"] = torch.tensor(
                 [[rng.gauss(0, 3) for _ in COLUMNS[1:]] for _ in range(size)]
             )
+    for step, batch in enumerate(batches):
+        if source_of_step(row, step) == 1:
+            for column in set(batch) - {*SECOND_SOURCE["columns"], "other_positives"}:
+                del batch[column]
     return batches
 
 
@@ -203,17 +219,19 @@ def run_row(row, model_folder, out_dir, guide_folder):
     assert accelerator.num_processes == row.processes, (accelerator.num_processes, row)
     model, args = load_prepared(row, model_folder, str(accelerator.device), guide_folder)
     guide = train.load_guide(args, accelerator)
-    prompts = train.role_prompts(model)
-    trained = train.training_module(model, [args])  # Towers as train.py wraps: Router, or group-only
+    sources = train.source_settings(args)  # each source's flags, as train.py deals them out
+    prompts = [train.role_prompts(model, source.query_prompt, source.document_prompt) for source in sources]
+    trained = train.training_module(model, sources)  # Towers as train.py wraps: Router, or group-only
     optimizer = torch.optim.SGD(
         [p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE[row.model]
     )
     engine, optimizer = accelerator.prepare(trained, optimizer)
     engine.train()
     chunking = {"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {"chunk_size": args.chunk_size}
-    loss_fn = train.loss_function(args, model)
+    loss_fns = [train.loss_function(source, model) for source in sources]
     losses, chunks, masked = [], [], []
-    for batch in global_batches(row):
+    for step, batch in enumerate(global_batches(row)):
+        source = source_of_step(row, step)
         positives = positives_in_data(batch)  # what train.py's positives_by_anchor reads from the data
         known = train.positives_by_anchor(
             {"anchor": list(positives), "positive": list(map(list, positives.values()))}
@@ -223,9 +241,9 @@ def run_row(row, model_folder, out_dir, guide_folder):
             accelerator,
             engine,
             model,
-            prompts,
-            loss_fn,
-            args,
+            prompts[source],
+            loss_fns[source],
+            sources[source],
             shard(batch, row, accelerator.process_index),
             chunking,
             stats=stats,

@@ -1,5 +1,5 @@
 """The feature matrix: backends x processes x chunking x models x losses x adapters x cross-process negatives
-x in-batch or group-only negatives x false-negative masks or distillation.
+x in-batch or group-only negatives x false-negative masks or distillation x one or two data sources.
 
 Every row trains NUM_STEPS SGD steps through train.py's own step (`train.gradient_cache_step`, on a model
 prepared by train.py's flags; tests/matrix_worker.py) under its backend and process count, on CPU (gloo,
@@ -23,7 +23,10 @@ masks on the decoder, whose rank-0 loss falls to 0.11 by the third step with 80%
 its terms sums of three Matryoshka sizes of scores near 20: fp32 rounding left 1.4e-6 on that loss
 (1.3e-5 of it) and 2.5e-5 on the update, measured.
 Rows 4-6 run the first three again without in-batch negatives (`gradcache.group_step`), on the same
-chunk plan agreement and tower grouping.
+chunk plan agreement and tower grouping. Rows of two sources (several --data, each with its flags) take
+their steps from the row's source and from pairs with a query prompt of their own and in-batch negatives
+in turn, as train.py's SourceMix deals steps: the number of columns, the prompt and the step function
+(group_step, gradcache_step) change from one step to the next under the same engine.
 
     .venv/bin/python -m pytest -q tests/test_matrix.py
 """
@@ -43,11 +46,13 @@ from matrix_worker import (
     GUIDE,
     LEARNING_RATE,
     MATRYOSHKA_DIMS,
+    SECOND_SOURCE,
     Row,
     global_batches,
     load_prepared,
     positives_in_data,
     shard,
+    source_of_step,
     trainable_weights,
 )
 from references import reference_objective
@@ -63,37 +68,38 @@ DIMENSIONS = {
     "cross": (False, True),
     "negatives": ("in-batch", "group"),
     "extra": ("none", "masked", "distilled"),
+    "sources": (1, 2),
 }
 
 # fmt: off
 ROWS = [Row(*fields) for fields in [
-    # backend  procs  chunking  model      loss          adapter          cross  negatives   extra
+    # backend  procs chunking  model      loss          adapter          cross  negatives   extra        src
     # issue 15's defects as found, through gradcache_step
-    ("zero2",  2,     "tokens", "shared",  "one-way",    "none",          False, "in-batch", "none"),
-    ("zero3",  2,     "tokens", "towers",  "one-way",    "none",          False, "in-batch", "none"),
-    ("zero3",  1,     "tokens", "towers",  "one-way",    "none",          False, "in-batch", "none"),
+    ("zero2", 2,    "tokens", "shared",  "one-way",    "none",          False, "in-batch", "none",      1),
+    ("zero3", 2,    "tokens", "towers",  "one-way",    "none",          False, "in-batch", "none",      1),
+    ("zero3", 1,    "tokens", "towers",  "one-way",    "none",          False, "in-batch", "none",      1),
     # the same without in-batch negatives (group_step), and the rest of the covering
-    ("zero2",  2,     "tokens", "shared",  "one-way",    "none",          False, "group",    "masked"),
-    ("zero3",  2,     "tokens", "towers",  "one-way",    "none",          False, "group",    "masked"),
-    ("zero3",  1,     "tokens", "towers",  "one-way",    "none",          False, "group",    "distilled"),
-    ("ddp",    2,     "size",   "towers",  "one-way",    "none",          False, "in-batch", "distilled"),
-    ("plain",  1,     "size",   "shared",  "matryoshka", "checkpointing", True,  "in-batch", "masked"),
-    ("zero1",  2,     "uneven", "decoder", "symmetric",  "lora",          True,  "in-batch", "none"),
-    ("ddp",    3,     "tokens", "decoder", "matryoshka", "checkpointing", False, "group",    "masked"),
-    ("plain",  1,     "tokens", "towers",  "symmetric",  "lora",          False, "in-batch", "distilled"),
-    ("zero2",  3,     "uneven", "towers",  "one-way",    "checkpointing", True,  "in-batch", "none"),
-    ("zero3",  3,     "size",   "shared",  "symmetric",  "lora",          True,  "in-batch", "masked"),
-    ("zero1",  1,     "size",   "decoder", "one-way",    "none",          False, "group",    "masked"),
-    ("ddp",    2,     "uneven", "shared",  "matryoshka", "none",          True,  "in-batch", "none"),
-    ("zero1",  2,     "tokens", "towers",  "matryoshka", "checkpointing", True,  "in-batch", "distilled"),
-    ("zero2",  1,     "size",   "decoder", "matryoshka", "lora",          True,  "in-batch", "none"),
-    ("zero3",  2,     "uneven", "decoder", "matryoshka", "checkpointing", False, "group",    "masked",  5e-5),
-    ("zero1",  3,     "tokens", "shared",  "symmetric",  "none",          False, "in-batch", "distilled"),
-    ("plain",  1,     "tokens", "decoder", "one-way",    "lora",          False, "group",    "none"),
-    ("zero3",  1,     "tokens", "decoder", "symmetric",  "checkpointing", False, "in-batch", "none"),
-    ("ddp",    2,     "uneven", "decoder", "symmetric",  "lora",          True,  "in-batch", "distilled"),
-    ("plain",  1,     "size",   "decoder", "symmetric",  "none",          True,  "in-batch", "none"),
-    ("zero2",  1,     "tokens", "towers",  "symmetric",  "none",          False, "in-batch", "distilled"),
+    ("zero2", 2,    "tokens", "shared",  "one-way",    "none",          False, "group",    "masked",    1),
+    ("zero3", 2,    "tokens", "towers",  "one-way",    "none",          False, "group",    "masked",    2),
+    ("zero3", 1,    "tokens", "towers",  "one-way",    "none",          False, "group",    "distilled", 2),
+    ("ddp",   2,    "size",   "towers",  "one-way",    "none",          False, "in-batch", "distilled", 1),
+    ("plain", 1,    "size",   "shared",  "matryoshka", "checkpointing", True,  "in-batch", "masked",    1),
+    ("zero1", 2,    "uneven", "decoder", "symmetric",  "lora",          True,  "in-batch", "none",      2),
+    ("ddp",   3,    "tokens", "decoder", "matryoshka", "checkpointing", False, "group",    "masked",    2),
+    ("plain", 1,    "tokens", "towers",  "symmetric",  "lora",          False, "in-batch", "distilled", 2),
+    ("zero2", 3,    "uneven", "towers",  "one-way",    "checkpointing", True,  "in-batch", "none",      1),
+    ("zero3", 3,    "size",   "shared",  "symmetric",  "lora",          True,  "in-batch", "masked",    1),
+    ("zero1", 1,    "size",   "decoder", "one-way",    "none",          False, "group",    "masked",    2),
+    ("ddp",   2,    "uneven", "shared",  "matryoshka", "none",          True,  "in-batch", "none",      2),
+    ("zero1", 2,    "tokens", "towers",  "matryoshka", "checkpointing", True,  "in-batch", "distilled", 1),
+    ("zero2", 1,    "size",   "decoder", "matryoshka", "lora",          True,  "in-batch", "none",      1),
+    ("zero3", 2,    "uneven", "decoder", "matryoshka", "checkpointing", False, "group", "masked", 2, 5e-5),
+    ("zero1", 3,    "tokens", "shared",  "symmetric",  "none",          False, "in-batch", "distilled", 1),
+    ("plain", 1,    "tokens", "decoder", "one-way",    "lora",          False, "group",    "none",      2),
+    ("zero3", 1,    "tokens", "decoder", "symmetric",  "checkpointing", False, "in-batch", "none",      1),
+    ("ddp",   2,    "uneven", "decoder", "symmetric",  "lora",          True,  "in-batch", "distilled", 2),
+    ("plain", 1,    "size",   "decoder", "symmetric",  "none",          True,  "in-batch", "none",      2),
+    ("zero2", 1,    "tokens", "towers",  "symmetric",  "none",          False, "in-batch", "distilled", 2),
 ]]
 # fmt: on
 MODEL_KINDS = {"shared": "mean", "towers": "router", "decoder": "decoder"}
@@ -171,11 +177,12 @@ def sentence_transformers_loss(row, model):
     return MultipleNegativesRankingLoss(model)
 
 
-def independent_loss(row, model, batch, guide, positives_of):
+def independent_loss(row, model, batch, guide, positives_of, in_batch):
     """For the rows sentence-transformers has no loss for (masks, distillation, no in-batch negatives):
     tests/references.py's, on the model's representations of the batch, masks read from the texts and the
     guide's scores ("masked" rows; encoded in train.py's batches, so that its scores are the same numbers).
     positives_of: what the data (the global batch) says is right for each anchor."""
+    columns = [column for column in COLUMNS if column in batch]  # a step of the second source: pairs
     guide_reps = None
     if row.extra == "masked":
         batch_size = 32 if row.chunking == "tokens" else CHUNK_SIZE
@@ -184,15 +191,15 @@ def independent_loss(row, model, batch, guide, positives_of):
                 (guide.encode_query if column == "anchor" else guide.encode_document)(
                     batch[column], batch_size=batch_size, convert_to_tensor=True
                 )
-                for column in COLUMNS
+                for column in columns
             ]
 
     def loss(features, labels):
         reps = [model(dict(f))["sentence_embedding"] for f in features]
         return reference_objective(
             *reps,
-            texts=[batch[column] for column in COLUMNS],
-            in_batch=row.negatives == "in-batch",
+            texts=[batch[column] for column in columns],
+            in_batch=in_batch,
             symmetric=row.loss == "symmetric",
             matryoshka_dims=MATRYOSHKA_DIMS if row.loss == "matryoshka" else None,
             positives_of=positives_of,
@@ -208,26 +215,32 @@ def independent_loss(row, model, batch, guide, positives_of):
 
 
 def reference_run(row, model_folder, guide_folder):
-    """Losses of each rank at each step, and the trained weights: one process, the global batch, unchunked."""
+    """Losses of each rank at each step, and the trained weights: one process, the global batch, unchunked.
+    A step of the second source (rows of two) has its columns and in-batch negatives, and its query prompt
+    written before each anchor here, as sentence-transformers' prompt is a prefix of the text."""
     from sentence_transformers import SentenceTransformer
 
     model, _ = load_prepared(row, model_folder)
     guide = SentenceTransformer(guide_folder, device="cpu") if row.extra == "masked" else None
     model.train()
-    standard = row.negatives == "in-batch" and row.extra == "none"
-    loss_module = sentence_transformers_loss(row, model) if standard else None
     optimizer = torch.optim.SGD(
         [p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE[row.model]
     )
     losses = [[] for _ in range(row.processes)]
-    for batch in global_batches(row):
+    for step, batch in enumerate(global_batches(row)):
+        second_source = source_of_step(row, step) == 1
+        in_batch = second_source or row.negatives == "in-batch"
+        prompt = SECOND_SOURCE["query_prompt"] if second_source else ""
         parts = [batch] if row.cross else [shard(batch, row, rank) for rank in range(row.processes)]
         part_losses = []
         for part in parts:
-            loss = loss_module or independent_loss(row, model, part, guide, positives_in_data(batch))
+            if in_batch and row.extra == "none":
+                loss = sentence_transformers_loss(row, model)
+            else:
+                loss = independent_loss(row, model, part, guide, positives_in_data(batch), in_batch)
             features = [
-                model.preprocess(part[column], task="query" if column == "anchor" else "document")
-                for column in COLUMNS
+                model.preprocess([prompt + text for text in part["anchor"]], task="query"),
+                *(model.preprocess(part[c], task="document") for c in COLUMNS[1:] if c in part),
             ]
             part_losses.append(loss(features, labels=None))
         for rank in range(row.processes):
