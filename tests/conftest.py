@@ -1,4 +1,5 @@
-"""Fixtures shared by the launch tests: a tiny data file and tiny models, built once per module."""
+"""Fixtures shared by the launch tests: tiny data files (one source, and two of other fields) and tiny models,
+built once per module."""
 
 import random
 
@@ -37,3 +38,24 @@ def model_with_dropout(tmp_path_factory):
 def model_without_dropout(tmp_path_factory):
     """Chunking draws dropout masks per chunk, so chunked and unchunked runs can only agree without it."""
     return build_tiny_model(tmp_path_factory.mktemp("no_dropout"), dropout=0.0)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """Two sources of other fields: triplets with a teacher's scores, and pairs named query/answer with one
+    hard negative named other."""
+    rng, folder = random.Random(1), tmp_path_factory.mktemp("sources")
+
+    def words(count, tag):
+        return " ".join(rng.sample(WORDS, count)) + f" {tag}"
+
+    scored = [
+        {"anchor": words(5, f"a{i}"), "positive": words(2, f"p{i}"), "negative": words(2, f"n{i}"),
+         "pos_scores": [rng.uniform(0, 1)], "neg_scores": [rng.uniform(0, 1)]}
+        for i in range(32)
+    ]  # fmt: skip
+    named = [
+        {"query": words(4, f"a{i + 32}"), "answer": words(3, f"p{i + 32}"), "other": words(3, f"n{i + 32}")}
+        for i in range(16)
+    ]
+    return write_rows(folder / "scored.jsonl", scored), write_rows(folder / "named.jsonl", named)

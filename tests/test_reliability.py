@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_sources import two_source_flags
 from test_train import CONFIGS, launch, logged_scalars, run_main, weights, zero3_partitioning_everything
 
 import gradcache
@@ -131,10 +132,12 @@ def test_a_signal_saves_a_checkpoint_and_the_run_resumes_bit_for_bit(
     assert all(torch.equal(resumed[name], reference[name]) for name in reference)
 
 
-def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path, data, model_with_dropout):
+def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path, sources, model_with_dropout):
     """Only rank 1 gets SIGTERM: the all-reduce of the flag stops rank 0 too, at the same step, and the
-    resumed run reaches the uninterrupted one's weights (also: a signal saves with --save_steps 0)."""
-    args = ("--model", model_with_dropout, "--data", data[0], "--max_steps", 4, "--save_steps", 0)
+    resumed run reaches the uninterrupted one's weights (also: a signal saves with --save_steps 0). On two
+    --data sources of other columns, prompts and distillation (3 steps an epoch, of 2 triplet steps and 1 of
+    pairs): the resumed processes take up the order of the sources where it stopped, dropout too."""
+    args = (*two_source_flags(model_with_dropout, sources), "--max_steps", 4, "--save_steps", 0)
     faults = {"GRADCACHE_FAULT_SIGNAL": "SIGTERM:2", "GRADCACHE_FAULT_RANK": "1"}
     launch_with_faults(tmp_path / "straight", *args, processes=2)
     stopped = launch_with_faults(tmp_path / "stopped", *args, faults=faults, processes=2)
@@ -146,6 +149,9 @@ def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path, 
     assert f"resumed from {checkpoint}:" in resumed.stdout
     resumed, reference = weights(tmp_path / "stopped" / "final"), weights(tmp_path / "straight" / "final")
     assert all(torch.equal(resumed[name], reference[name]) for name in reference)
+    straight_sources = logged_scalars(tmp_path / "straight")["train/source"]
+    assert {int(source) for _, source in straight_sources} == {0, 1}
+    assert logged_scalars(tmp_path / "stopped")["train/source"] == straight_sources
 
 
 class Process:

@@ -10,7 +10,6 @@ resumed run against an uninterrupted one.
 
 import collections
 import json
-import random
 
 import datasets
 import pytest
@@ -18,7 +17,6 @@ import torch
 from test_train import (
     CONFIGS,
     TOLERANCE,
-    WORDS,
     fails_with,
     launch_deepspeed,
     logged_scalars,
@@ -26,7 +24,6 @@ from test_train import (
     run_main,
     sharded_loader,
     weights,
-    write_rows,
 )
 
 import train
@@ -145,27 +142,6 @@ def test_per_source_flags_are_checked_before_anything_loads(capsys):
 # ---------------------------------------------------------------------------------------------------------
 # Training on two sources
 # ---------------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory):
-    """Two sources of other fields: triplets with a teacher's scores, and pairs named query/answer with one
-    hard negative named other."""
-    rng, folder = random.Random(1), tmp_path_factory.mktemp("sources")
-
-    def words(count, tag):
-        return " ".join(rng.sample(WORDS, count)) + f" {tag}"
-
-    scored = [
-        {"anchor": words(5, f"a{i}"), "positive": words(2, f"p{i}"), "negative": words(2, f"n{i}"),
-         "pos_scores": [rng.uniform(0, 1)], "neg_scores": [rng.uniform(0, 1)]}
-        for i in range(32)
-    ]  # fmt: skip
-    named = [
-        {"query": words(4, f"a{i + 32}"), "answer": words(3, f"p{i + 32}"), "other": words(3, f"n{i + 32}")}
-        for i in range(16)
-    ]
-    return write_rows(folder / "scored.jsonl", scored), write_rows(folder / "named.jsonl", named)
 
 
 def two_source_flags(model, sources, *extra, chunking=("--chunk_size", 3), negatives="other"):
