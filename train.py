@@ -30,8 +30,9 @@ and after. Outputs go to runs/<run_name>/: checkpoints/step_<N>/, final/ (a Sent
 directory), tensorboard/ and wandb/ (offline unless --wandb_mode online). A folder holding a previous run is
 refused unless resuming it or --overwrite.
 
-The file reads top to bottom: the flags, the data, the model, the step, then main (its setup, then the
-loop with the optimizer step), and two appendices: checkpoints, and the out-of-memory back-off. Imported
+The file reads top to bottom: the flags, the data, its batches, the dev evaluator, the model, the step, then
+main (its setup, then the loop with the optimizer step), and two appendices: checkpoints, and the
+out-of-memory back-off. Imported
 by tests/ and bench/, so kept as they are: parse_args, main, load_data, load_pairs, hub_out_of_reach,
 make_loader, build_evaluator, load_model, prepare_model, role_prompts, tokenize, Towers, is_router,
 loss_function, gradient_cache_step, save_checkpoint, set_peak_learning_rate, step_with_back_off; and for
@@ -511,7 +512,7 @@ def parse_matryoshka(dims_spec, weights_spec):
 
 # ---------------------------------------------------------------------------------------------------------
 # Data: pairs from a local file or a hub data set, every record checked before training (a bad one is named
-# with its file and place, and what to do); batches without a text twice; the dev evaluator
+# with its file and place, and what to do); each field read for its role as --columns or its name says
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -953,6 +954,11 @@ def json_record(value):
     return f"is a JSON {type(value).__name__}, not an object with named fields"
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Batches: no text twice in a batch, one source per optimizer step, an order that a resume replays
+# ---------------------------------------------------------------------------------------------------------
+
+
 def make_loader(train_sets, args, processes):
     """The training batches of the --data sources' pairs, which accelerate shards over the processes;
     set_epoch orders each epoch. With several sources every optimizer step reads one (SourceMix)."""
@@ -1106,6 +1112,11 @@ class PositiveDraws(torch.utils.data.Dataset):
             if not self.texts_only:
                 example["teacher_scores"] = scores
         return example
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The dev evaluator: retrieval on pairs (their distinct positives the corpus) or on a BEIR folder
+# ---------------------------------------------------------------------------------------------------------
 
 
 def load_beir(folder, split, say=print):
