@@ -672,6 +672,18 @@ def provenance(device, command, allow_dirty=False):
     }
 
 
+def parts_provenance_markdown(part_provenance):
+    """The provenance of a run some of whose parts were run again (--parts): each run, with its parts."""
+    runs = {}
+    for part, info in part_provenance.items():
+        runs.setdefault(json.dumps(info, sort_keys=True), (info, []))[1].append(part)
+    lines = []
+    for info, parts in runs.values():
+        lines.append(f"- parts {', '.join(parts)}:")
+        lines += ["  " + line for line in provenance_markdown(info).splitlines()]
+    return "\n".join(lines)
+
+
 def commit_description(info):
     """The commit of a run, loudly marked when the tree had changes (also for results of older scripts)."""
     if info.get("uncommitted_changes") or "uncommitted" in info["commit"]:
@@ -766,6 +778,8 @@ def run_benchmark(name, parser, presets, measure, table, plot, image, argv=None)
     `measure(args)` returns what is saved under "results"; `table(results, args)` makes its markdown and
     `plot(results, args, png_path)` its plot, described by `image`. The markdown file gets the provenance
     on top and the plot below; --render_only redoes both from the saved json, so a table can change alone.
+    A script with --parts (a dict of results per part) can run some parts again: they replace theirs in the
+    saved json, the others stay, and each part names the run (commit, date, machine) that measured it.
     """
     args = parser.parse_args(argv)
     args.preset = args.preset or ("gpu" if args.device.startswith("cuda") else "cpu")
@@ -776,17 +790,27 @@ def run_benchmark(name, parser, presets, measure, table, plot, image, argv=None)
                 setattr(args, key, value)
         command = shlex.join(["python", f"bench/{name}.py", *(sys.argv[1:] if argv is None else argv)])
         info = provenance(args.device, command, args.allow_dirty)
+        earlier = None
+        if getattr(args, "parts", None):
+            if not json_path.exists():
+                raise SystemExit(f"--parts runs parts of a saved run again: {json_path} holds none. Run all.")
+            earlier = json.loads(json_path.read_text())
         results = measure(args)
+        saved = {"provenance": info, "settings": vars(args), "results": results}
+        if earlier:
+            runs = earlier.get("part_provenance") or dict.fromkeys(earlier["results"], earlier["provenance"])
+            saved["part_provenance"] = runs | dict.fromkeys(results, info)
+            saved["results"] = earlier["results"] | results
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(
-            json.dumps({"provenance": info, "settings": vars(args), "results": results}, indent=1)
-        )
+        json_path.write_text(json.dumps(saved, indent=1))
     saved = json.loads(json_path.read_text())
     results, settings = saved["results"], argparse.Namespace(**saved["settings"])
     plot(results, settings, json_path.with_suffix(".png"))
     markdown = "\n\n".join(
         [
-            provenance_markdown(saved["provenance"]),
+            parts_provenance_markdown(saved["part_provenance"])
+            if "part_provenance" in saved
+            else provenance_markdown(saved["provenance"]),
             table(results, settings),
             f"![{image}]({json_path.stem}.png)",
         ]

@@ -435,16 +435,26 @@ def tiled_ratios(point):
 
 
 def commits_line(loaded):
-    """One clean commit for every section, or a loud line saying which section ran where."""
-    runs = {f"{name} ({preset})": saved["provenance"] for (name, preset), saved in loaded.items()}
+    """One clean commit for every section, or the commit of each section (of each part, where a script ran
+    some parts again); loud where a tree had uncommitted changes."""
+    runs = {}
+    for (name, preset), saved in loaded.items():
+        for part, info in (saved.get("part_provenance") or {"": saved["provenance"]}).items():
+            runs[f"{name} ({preset}{', ' + part if part else ''})"] = info
     commits = {info["commit"].split(" ")[0] for info in runs.values()}
     dirty = [run for run, info in runs.items() if info.get("uncommitted_changes") or " " in info["commit"]]
     if len(commits) == 1 and not dirty:
         return f"Every section ran at commit {commits.pop()}, with a clean working tree."
+    if not dirty:
+        return (
+            "The sections ran at several commits, each with a clean working tree: "
+            + "; ".join(f"{run}: {info['commit']}" for run, info in runs.items())
+            + "."
+        )
     return (
         "**Not one clean commit: these results are not reproducible as a whole.** "
         + "; ".join(f"{run}: {info['commit']}" for run, info in runs.items())
-        + (f". Uncommitted changes in: {', '.join(dirty)}." if dirty else ".")
+        + f". Uncommitted changes in: {', '.join(dirty)}."
     )
 
 

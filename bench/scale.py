@@ -38,6 +38,7 @@ Five parts, on anchor, positive and hard-negative columns (d = 384 representatio
     python bench/scale.py                             # CPU: to 65,536; about 55 min on 2 quiet cores (est.)
     python bench/scale.py --device cuda --preset gpu  # one H200: to 1,048,576, full model; 10-15 min (est.)
     python bench/scale.py --preset smoke              # seconds: the test suite runs this
+    python bench/scale.py --parts d e                 # parts d and e again; a, b, c stay as saved
 
 Writes bench/results/scale_<preset>.{json,md,png}.
 """
@@ -146,6 +147,13 @@ parser.add_argument("--guide_batch_sizes", type=int, nargs=2, help="the two batc
 parser.add_argument("--guide_chunk_size", type=int, help="texts the guide encodes at a time (part e)")
 parser.add_argument(
     "--guide_one_process", action="store_true", default=None, help="part e's runs in one process"
+)
+parser.add_argument(
+    "--parts",
+    nargs="+",
+    choices="abcde",
+    help="run only these parts again (e.g. d e); the others stay as the saved json has them, each part "
+    "with the commit and date of its own run",
 )
 
 
@@ -264,13 +272,16 @@ def measure_guide(args):
 
 
 def measure(args):
-    return {
-        "steps": measure_steps(args),
-        "loss_memory": measure_loss_memory(args),
-        "loss_time": measure_loss_time(args),
-        "masked_loss_memory": measure_masked_loss(args),
-        "guide_memory": measure_guide(args),
-    }
+    return {key: part(args) for letter, (key, part) in PARTS.items() if letter in (args.parts or PARTS)}
+
+
+PARTS = {  # --parts: each part's key in the results, and the function that measures it
+    "a": ("steps", measure_steps),
+    "b": ("loss_memory", measure_loss_memory),
+    "c": ("loss_time", measure_loss_time),
+    "d": ("masked_loss_memory", measure_masked_loss),
+    "e": ("guide_memory", measure_guide),
+}
 
 
 def time_ratios(point):

@@ -16,9 +16,9 @@ sys.path.insert(0, str(ROOT / "bench"))  # where the scripts import their harnes
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def run_script(name, out_dir):
-    """`python bench/<name>.py --preset smoke --out_dir <out_dir>` in a fresh process, as a user runs it (in
-    this process, torch's threads would already be spinning, and crawl on a busy machine)."""
+def run_script(name, out_dir, *extra):
+    """`python bench/<name>.py --preset smoke --out_dir <out_dir> <extra>` in a fresh process, as a user runs
+    it (in this process, torch's threads would already be spinning, and crawl on a busy machine)."""
     command = [
         sys.executable,
         str(ROOT / "bench" / f"{name}.py"),
@@ -27,6 +27,7 @@ def run_script(name, out_dir):
         "--out_dir",
         str(out_dir),
         "--allow_dirty",  # a developer runs the tests before committing; the results say so
+        *extra,
     ]
     subprocess.run(command, cwd=ROOT, check=True, timeout=600)
     stem = out_dir / f"{name}_smoke"
@@ -217,6 +218,27 @@ def test_scale_cut_model_step_and_loss_stage_under_a_cap(smoke_run):
     for point in results["guide_memory"]:  # fp32 representations of 3 columns, d = 384
         assert point["output_bytes"] == point["batch_size"] * 3 * 384 * 4 and point["added_bytes"] > 0
     assert "all three / unmasked" in markdown and "peak minus returned" in markdown
+
+
+def test_scale_runs_some_parts_again_and_keeps_the_others_with_their_own_provenance(smoke_run, tmp_path):
+    """`--parts d`: part d measured anew, parts a, b, c and e as saved, each part naming its run."""
+    import scale
+
+    saved, _ = smoke_run("scale")
+    first_run = dict(saved["provenance"], date="2026-01-01 00:00 UTC", commit="0000000")  # an older run
+    (tmp_path / "scale_smoke.json").write_text(json.dumps(dict(saved, provenance=first_run)))
+    again, markdown = run_script("scale", tmp_path, "--parts", "d")
+    assert again["provenance"]["date"] != first_run["date"]
+    assert again["part_provenance"]["masked_loss_memory"] == again["provenance"]
+    others = ("steps", "loss_memory", "loss_time", "guide_memory")
+    assert all(again["part_provenance"][part] == first_run for part in others)
+    assert all(again["results"][part] == saved["results"][part] for part in others)
+    variants = [point["variant"] for point in again["results"]["masked_loss_memory"]]
+    assert variants == saved["settings"]["mask_variants"]
+    assert "- parts steps, loss_memory, loss_time, guide_memory:" in markdown and "0000000" in markdown
+    assert "- parts masked_loss_memory:" in markdown
+    with pytest.raises(SystemExit, match="holds none"):  # nothing saved to keep: every part must run
+        scale.main(["--preset", "smoke", "--out_dir", str(tmp_path / "x"), "--parts", "d", "--allow_dirty"])
 
 
 def test_checkpointing_measured_as_train_py_applies_it(smoke_run):
