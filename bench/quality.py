@@ -292,12 +292,13 @@ def table(results, args):
                     f"{runs[0]['lr']:.2g}",
                     runs[0]["optimizer_steps"] or "-",
                     runs[0]["examples"],
-                    f"{statistics.fmean(r['train_seconds'] for r in runs) / 60:.1f}",
+                    # the median: one run slowed by other work on the machine moves it less than a mean
+                    f"{statistics.median(r['train_seconds'] for r in runs) / 60:.1f}",
                     f"{mean:.4f} ± {spread:.4f}",
                     ", ".join(f"{r['mrr@10']:.4f}" for r in runs),
                 ]
             )
-        header = ["run", "lr", "steps", "examples", "min/run", "dev MRR@10 (mean ± sd)", "per seed"]
+        header = ["run", "lr", "steps", "examples", "min/run (median)", "dev MRR@10 (mean ± sd)", "per seed"]
         sections.append(f"**{comparison.capitalize()}**\n\n" + harness.markdown_table(header, rows))
     rows = [
         [question, f"{difference:+.4f}", f"{error:.4f}", word]
