@@ -1085,8 +1085,11 @@ class FalseNegatives:
 
     def guide_columns(self, device):
         if device not in self.normalized_guide:
-            columns = [F.normalize(torch.as_tensor(g, device=device).float(), dim=-1) for g in self.guide]
-            self.normalized_guide[device] = columns, torch.cat(columns[1:])  # and the candidates
+            guide = (torch.as_tensor(g, device=device).float() for g in self.guide)
+            anchor, *others = (F.normalize(g, dim=-1) for g in guide)
+            candidates = torch.cat(others)  # every column after the anchors': those columns are its views
+            columns = [anchor, *candidates.split([len(column) for column in others])]
+            self.normalized_guide[device] = columns, candidates
         return self.normalized_guide[device][0]
 
     def group_mask(self, similarities, rows):
