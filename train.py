@@ -32,12 +32,11 @@ refused unless resuming it or --overwrite.
 
 The file reads top to bottom: the flags, the data, its batches, the dev evaluator, the model, the step, then
 main (its setup, then the loop with the optimizer step), and two appendices: checkpoints, and the
-out-of-memory back-off. Imported
-by tests/ and bench/, so kept as they are: parse_args, main, load_data, load_pairs, hub_out_of_reach,
-make_loader, build_evaluator, load_model, prepare_model, role_prompts, tokenize, Towers, is_router,
-loss_function, gradient_cache_step, save_checkpoint, set_peak_learning_rate, step_with_back_off; and for
-issue 18's tools text_id, positives_by_anchor, load_guide, PositiveDraws, text_columns, source_settings,
-training_module.
+out-of-memory back-off. Imported by tests/ and bench/, so kept as they are: parse_args, main, load_data,
+load_pairs, hub_out_of_reach, make_loader, build_evaluator, load_model, prepare_model, role_prompts, tokenize,
+Towers, is_router, loss_function, gradient_cache_step, save_checkpoint, set_peak_learning_rate,
+step_with_back_off; and for issue 18's tools text_id, positives_by_anchor, load_guide, PositiveDraws,
+text_columns, source_settings, training_module.
 """
 
 import argparse

@@ -271,10 +271,6 @@ def measure_guide(args):
     return points
 
 
-def measure(args):
-    return {key: part(args) for letter, (key, part) in PARTS.items() if letter in (args.parts or PARTS)}
-
-
 PARTS = {  # --parts: each part's key in the results, and the function that measures it
     "a": ("steps", measure_steps),
     "b": ("loss_memory", measure_loss_memory),
@@ -282,6 +278,10 @@ PARTS = {  # --parts: each part's key in the results, and the function that meas
     "d": ("masked_loss_memory", measure_masked_loss),
     "e": ("guide_memory", measure_guide),
 }
+
+
+def measure(args):
+    return {key: part(args) for letter, (key, part) in PARTS.items() if letter in (args.parts or PARTS)}
 
 
 def time_ratios(point):

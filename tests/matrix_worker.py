@@ -88,12 +88,12 @@ def flags(row, model_folder, guide_folder=None):
     if row.sources == 2:
         chosen += ["--query_prompt", "", SECOND_SOURCE["query_prompt"]]
     if row.negatives == "group":
-        chosen += ["--in_batch_negatives", "off", "on"][: 2 + row.sources - 1]
+        chosen += ["--in_batch_negatives", "off", *(["on"] if row.sources == 2 else [])]
     chosen += ["--false_negative_margin", FALSE_NEGATIVE_MARGIN] if row.extra == "masked" else []
     if row.extra == "masked" and guide_folder:
         chosen += ["--guide_model", guide_folder, "--guide_margin", GUIDE["margin"]]
     if row.extra == "distilled":  # the second source has no teacher scores
-        chosen += ["--distill_weight", *[DISTILLATION["weight"], 0][: row.sources]]
+        chosen += ["--distill_weight", DISTILLATION["weight"], *([0] if row.sources == 2 else [])]
         chosen += ["--distill_temperature", DISTILLATION["temperature"]]
     return [str(flag) for flag in chosen]
 
