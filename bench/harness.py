@@ -8,6 +8,12 @@ hard-negative columns, cosine similarity, scale 20):
     st      sentence-transformers' CachedMultipleNegativesRankingLoss, driven as its trainer does:
             `loss(features, labels)` then `.backward()` (the re-encoding runs in a backward hook).
 
+Without in-batch negatives (each anchor against its own positive and hard negatives, `gradcache.group_loss`)
+two more, at the same batch and the same texts per forward:
+
+    group         gradcache.group_step: each chunk of rows back-propagated directly, one forward;
+    group cached  the same loss through gradcache_step: encoded without grad, then again with grad.
+
 The benchmark scripts import it; `run_benchmark` is their common main (preset, provenance, measuring, the
 JSON, the markdown table and the plot). Run as a script, it is the worker of measure_in_fresh_process:
 `python bench/harness.py <worker name> '<keyword arguments as JSON>'` prints the result as JSON. The
@@ -58,6 +64,7 @@ METHOD_LABELS = {
     "ours": "this project (gradcache_step)",
     "st": "sentence-transformers CachedMNRL",
 }
+GROUP_METHODS = ("group", "group cached")
 # glibc keeps freed blocks below its (self-raising) mmap threshold in the heap, so RSS would show the
 # allocator's cache instead of the tensors alive. A fixed threshold of 64 KiB returns every larger block
 # to the OS on free: RSS then follows the live tensors. Set for the measuring subprocesses only.
@@ -200,7 +207,22 @@ def make_step(method, model, chunk_size, chunk_tokens=None, **gradcache_flags):
             return loss.detach()
 
         return st_step
-    raise ValueError(f"unknown method {method!r}, expected one of {METHODS}")
+    if method in GROUP_METHODS:
+        # a chunk of chunk_size rows encodes chunk_size texts of each column, as a cached chunk does
+        group_loss = partial(gradcache.group_loss, scale=SCALE)
+        chunks = chunking(chunk_size, chunk_tokens)
+
+        def whole_batch_loss(*reps):
+            return group_loss(*reps).sum() / len(reps[0])
+
+        def group_step(batch):
+            columns, inputs = gradcache_inputs(model, batch)
+            if method == "group":
+                return gradcache.group_step(model, columns, group_loss, **chunks, **inputs).loss
+            return gradcache_step(model, columns, whole_batch_loss, **chunks, **inputs).loss
+
+        return group_step
+    raise ValueError(f"unknown method {method!r}, expected one of {METHODS + GROUP_METHODS}")
 
 
 def make_train_step(step, optimizer):

@@ -22,7 +22,8 @@ SECTIONS = {
     "speed": "2. Cost of a step",
     "memory_cap": "3. Largest batch under a memory cap",
     "quality": "4. Batch size and quality",
-    "scale": "5. How far the batch goes: full steps to 65,536, the loss stage alone, its masks, the guide",
+    "scale": "5. How far the batch goes: full steps to 65,536, the loss stage alone, its masks, the guide, "
+    "no in-batch negatives",
     "checkpointing": "6. Gradient checkpointing inside the chunks: memory saved, time paid",
 }
 DEVICES = {"cpu": "", "gpu": " --device cuda --preset gpu", "smoke": " --preset smoke"}
@@ -30,6 +31,8 @@ MEMORY_TARGET, ST_TARGET, PLAIN_TARGET, TILED_TIME_TARGET = 1.15, 0.7, 1.25, 1.3
 ST_TARGET_MIN_BATCH, TILED_TIME_MAX_BATCH, FULL_STEP_BATCH = 256, 4096, 65536
 LOSS_STAGE_TARGETS = {16384: 2**30, 65536: 2 * 2**30}  # batch -> bytes the loss stage may add
 MASKED_LOSS_TARGET = (16384, 2**30)  # with the false-negative masks on, their inputs counted too
+# Without in-batch negatives, no cache: group_step skips the second forward, so its step is faster
+GROUP_SPEED_TARGET = 1.0
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--results_dir", default=str(BENCH_DIR / "results"))
@@ -174,19 +177,27 @@ def speed_targets(saved):
     chunk = f"equal chunk ({saved['settings']['chunk_size']} examples)"
     comparisons = [
         # (ours' variant, the other, limit, smallest batch checked, the target's words)
-        ("ours", "ST cached", ST_TARGET, 0, "{} and " + chunk),
+        ("ours", "ST cached", ST_TARGET, 0, "ours at most {}x one of ST cached at equal batch and " + chunk),
         (
             "ours, token budget",
             "ST cached, token budget",
             ST_TARGET,
             ST_TARGET_MIN_BATCH,
-            f"{{}} and {budget}, batch {ST_TARGET_MIN_BATCH} and up",
+            f"ours at most {{}}x one of ST cached at equal batch and {budget}, batch {ST_TARGET_MIN_BATCH} "
+            "and up",
         ),
-        ("ours", "plain", PLAIN_TARGET, 0, "{}, where plain fits"),
+        ("ours", "plain", PLAIN_TARGET, 0, "ours at most {}x one of plain at equal batch, where plain fits"),
+        (
+            "group-only, no cache",
+            "group-only, cached",
+            GROUP_SPEED_TARGET,
+            0,
+            "the loss without in-batch negatives, chunks back-propagated directly (group_step), at most {}x "
+            "one through the cache at equal batch and " + chunk + ": it skips a forward",
+        ),
     ]
     for ours, other, limit, min_batch, words in comparisons:
-        shown = other.split(",")[0]
-        target = f"speed: a step of ours at most {limit}x one of {shown} at " + words.format("equal batch")
+        target = "speed: a step of " + words.format(limit)
         measured = [
             (m["batch_size"], statistics.median(paired_ratios(m["runs"], ours, other)), m)
             for m in measurements
@@ -325,7 +336,7 @@ def scale_targets(saved):
             ]
         )
     masked_rows, why = masked_loss_targets(results)
-    return rows + masked_rows + guide_targets(results), why
+    return rows + masked_rows + guide_targets(results) + group_memory_targets(results), why
 
 
 def masked_loss_targets(results):
@@ -392,6 +403,31 @@ def guide_targets(results):
         word = (
             f"missed: at batch {large['batch_size']:,}, not less than batch {whole['batch_size']:,} at once"
         )
+    return [[target, measured, word]]
+
+
+def group_memory_targets(results):
+    """group_step's step (scale.py part f): one chunk if, at the larger batch, it peaks below the smaller
+    batch in one chunk."""
+    target = "without in-batch negatives, group_step's memory stays one chunk"
+    points = results.get("group_memory")
+    if not points:
+        return [[target, "-", "not measured: `python bench/scale.py --parts f`"]]
+    steps = {(p["method"], p["batch_size"], p["chunk_size"]): p["step_peak_bytes"] for p in points}
+    chunked = sorted((b, c) for m, b, c in steps if m == "group" and c < b)
+    (small, chunk), (large, _) = chunked[0], chunked[-1]
+    one_chunk = steps["group", small, small]
+    measured = (
+        f"step peak, chunks of {chunk} rows: {mib(steps['group', small, chunk])} at batch {small:,}, "
+        f"{mib(steps['group', large, chunk])} at batch {large:,} "
+        f"({steps['group', large, chunk] / steps['group', small, chunk]:.2f}x for {large / small:.0f}x the "
+        f"batch); through the cache {mib(steps['group cached', large, chunk])} at batch {large:,}; batch "
+        f"{small:,} in one chunk: {mib(one_chunk)}"
+    )
+    if steps["group", large, chunk] < one_chunk:
+        word = f"met: at {large / small:.0f}x the batch, less than batch {small:,} in one chunk"
+    else:
+        word = f"missed: at batch {large:,}, not less than batch {small:,} in one chunk"
     return [[target, measured, word]]
 
 

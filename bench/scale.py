@@ -1,6 +1,6 @@
 """Benchmark 5: how far the batch goes, and what the loss stage costs on the way, false-negative masks on.
 
-Five parts, on anchor, positive and hard-negative columns (d = 384 representations):
+Six parts, on anchor, positive and hard-negative columns (d = 384 representations):
 
     a. steps   peak memory of one full training step of gradcache_step (AdamW included) from batch 64 up,
                on data/wordnet_train.jsonl.gz; each point in a fresh process (CPU) as in bench/memory.py,
@@ -34,11 +34,17 @@ Five parts, on anchor, positive and hard-negative columns (d = 384 representatio
                chunk (sentence-transformers' encode also stacks one column's rows at its end: O(batch x d)).
                The cheapest honest reading: the real function, on real texts, two batch sizes; no training
                step is needed, since the guide runs before the step and holds nothing of it.
+    f. group   peak memory of one training step of the loss without in-batch negatives (AdamW included),
+               full all-MiniLM-L6-v2, chunks of --chunk_size rows: gradcache.group_step (each chunk
+               back-propagated directly) and the same loss through gradcache_step, at two batch sizes,
+               and group_step at the smaller batch in one chunk (chunk = batch) for contrast; each point
+               in a fresh process (the smoke preset: one process, the cut model). One chunk if the peak
+               stays flat as the batch grows, below the batch in one chunk.
 
     python bench/scale.py                             # CPU: to 65,536; about 55 min on 2 quiet cores (est.)
     python bench/scale.py --device cuda --preset gpu  # one H200: to 1,048,576, full model; 10-15 min (est.)
     python bench/scale.py --preset smoke              # seconds: the test suite runs this
-    python bench/scale.py --parts d e                 # parts d and e again; a, b, c stay as saved
+    python bench/scale.py --parts f                   # part f again; the others stay as saved
 
 Writes bench/results/scale_<preset>.{json,md,png}.
 """
@@ -88,6 +94,10 @@ PRESETS = {
         "guide_batch_sizes": [512, 4096],
         "guide_chunk_size": 32,
         "guide_one_process": False,
+        # f: a step at 1024 rows takes about a minute; 128 rows in one chunk (384 texts) about 4 GiB
+        "group_batch_sizes": [128, 1024],
+        "group_one_process": False,
+        "group_layers": None,
     },
     "gpu": {
         "step_batch_sizes": [4**k for k in range(3, 11)],  # 64 .. 1,048,576
@@ -105,6 +115,9 @@ PRESETS = {
         "guide_batch_sizes": [8192, 65536],
         "guide_chunk_size": 256,
         "guide_one_process": True,  # CUDA's allocator statistics are exact per window
+        "group_batch_sizes": [1024, 16384],
+        "group_one_process": True,
+        "group_layers": None,
     },
     # the test suite's: one step of the cut model, and a loss batch where the materialized loss does not
     # fit under a small cap (it needs about 108 MiB; the tiled one, with 2048 x 2048 tiles, 55 MiB)
@@ -124,10 +137,16 @@ PRESETS = {
         "guide_batch_sizes": [16, 64],
         "guide_chunk_size": 8,
         "guide_one_process": True,
+        "group_batch_sizes": [16, 32],
+        "group_one_process": True,
+        "group_layers": 1,  # seconds: the memory's shape, not its size
     },
 }
 DIM, NUM_COLUMNS = 384, 3
 LOSSES = ("tiled", "materialized")
+# part f: the loss without in-batch negatives, each chunk back-propagated directly or through the cache
+GROUP_METHODS = harness.GROUP_METHODS
+GROUP_LABELS = {"group": "group_step (no cache)", "group cached": "group loss, cached"}
 
 parser = harness.benchmark_parser(__doc__, PRESETS)
 parser.add_argument("--step_batch_sizes", type=int, nargs="+", help="batches of part a")
@@ -147,6 +166,10 @@ parser.add_argument("--guide_batch_sizes", type=int, nargs=2, help="the two batc
 parser.add_argument("--guide_chunk_size", type=int, help="texts the guide encodes at a time (part e)")
 parser.add_argument(
     "--guide_one_process", action="store_true", default=None, help="part e's runs in one process"
+)
+parser.add_argument("--group_batch_sizes", type=int, nargs=2, help="the two batches of part f")
+parser.add_argument(
+    "--group_one_process", action="store_true", default=None, help="part f's runs in one process"
 )
 parser.add_argument(
     "--parts",
@@ -271,12 +294,38 @@ def measure_guide(args):
     return points
 
 
+def measure_group(args):
+    """group_step and the cached group loss at both batches, then group_step with the smaller batch in one
+    chunk; a fresh process per run on CPU unless --group_one_process (the smoke's, with the cut model)."""
+    small = min(args.group_batch_sizes)
+    runs = [(method, batch, args.chunk_size) for batch in args.group_batch_sizes for method in GROUP_METHODS]
+    runs.append(("group", small, small))
+    one_process = args.group_one_process or args.device.startswith("cuda")
+    points = []
+    for method, batch_size, chunk_size in runs:
+        kwargs = dict(method=method, batch_size=batch_size, chunk_size=chunk_size, device=args.device)
+        kwargs["num_layers"] = args.group_layers
+        point = (
+            harness.measure_step_memory(**kwargs)
+            if one_process
+            else harness.measure_in_fresh_process("step_memory", **kwargs)
+        )
+        points.append(point)
+        print(
+            f"{GROUP_LABELS[method]:>22} batch {batch_size:>6}, chunk {chunk_size:>5}: "
+            f"{harness.mib(point['step_peak_bytes'])} MiB, {point['seconds']:.0f} s",
+            flush=True,
+        )
+    return points
+
+
 PARTS = {  # --parts: each part's key in the results, and the function that measures it
     "a": ("steps", measure_steps),
     "b": ("loss_memory", measure_loss_memory),
     "c": ("loss_time", measure_loss_time),
     "d": ("masked_loss_memory", measure_masked_loss),
     "e": ("guide_memory", measure_guide),
+    "f": ("group_memory", measure_group),
 }
 
 
@@ -477,6 +526,48 @@ def guide_table(points, args):
     )
 
 
+def group_table(points, args):
+    rows = [
+        [
+            GROUP_LABELS[point["method"]],
+            point["batch_size"],
+            point["chunk_size"],
+            "yes" if point["chunk_size"] >= point["batch_size"] else "no",
+            point["longest_text_tokens"],
+            harness.mib(point["step_peak_bytes"]),
+            f"{point['seconds']:.0f}",
+        ]
+        for point in points
+    ]
+    where = (
+        "every point in one process"
+        if getattr(args, "group_one_process", False) or args.device.startswith("cuda")
+        else "each point in a fresh process"
+    )
+    layers = getattr(args, "group_layers", None)
+    model = "" if layers is None else f", the model cut to {layers} layer(s)"
+    return "\n\n".join(
+        [
+            "f. One training step (AdamW included) of the loss without in-batch negatives "
+            "(`gradcache.group_loss`, each anchor against its own positive and hard negative), chunks of "
+            f"rows (a chunk of c rows encodes c texts of each column): peak above the process before it, "
+            f"{where}{model}.",
+            harness.markdown_table(
+                [
+                    "step",
+                    "batch",
+                    "chunk (rows)",
+                    "whole batch in one chunk",
+                    "longest text (tokens)",
+                    "peak (MiB)",
+                    "seconds (one step)",
+                ],
+                rows,
+            ),
+        ]
+    )
+
+
 def plot(results, args, path):
     figure, (steps_axes, loss_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
     steps = [point for point in results["steps"] if point["fits"]]
@@ -526,6 +617,8 @@ def table(results, args):
     if "masked_loss_memory" in results:  # results saved before parts d and e have neither
         tables.append(masked_loss_table(results["masked_loss_memory"], args))
         tables.append(guide_table(results["guide_memory"], args))
+    if "group_memory" in results:  # results saved before part f have none
+        tables.append(group_table(results["group_memory"], args))
     return "\n\n".join(tables)
 
 

@@ -188,8 +188,6 @@ def variant_max_batch(name, args):
 def make_variant_step(name, model, args, clock):
     method, switches, by_tokens = VARIANTS[name]
     chunk_tokens = args.chunk_tokens if by_tokens else None
-    if method.startswith("group"):
-        return group_only_step(method, model, args.chunk_size)
     if method != "ours":
         return harness.make_step(method, model, args.chunk_size, chunk_tokens)
     kwargs = clock.wrap_ours({})
@@ -201,19 +199,6 @@ def make_variant_step(name, model, args, clock):
             return gradcache.gradcache_step(model, features, loss_fn, **chunks, **kwargs).loss
 
     return step
-
-
-def group_only_step(method, model, chunk_size):
-    """A step of the loss without in-batch negatives: through the cache, or chunks of rows back-propagated
-    directly (a chunk of chunk_size rows encodes chunk_size texts of each column, as a cached chunk does)."""
-    group_loss = partial(gradcache.group_loss, scale=harness.SCALE)
-    if method == "group":
-        return lambda features: gradcache.group_step(model, features, group_loss, chunk_size).loss
-
-    def whole_batch_loss(*reps):
-        return group_loss(*reps).sum() / len(reps[0])
-
-    return lambda features: gradcache.gradcache_step(model, features, whole_batch_loss, chunk_size).loss
 
 
 def check_agreement(model, features, chunk_size):

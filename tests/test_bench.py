@@ -218,6 +218,16 @@ def test_scale_cut_model_step_and_loss_stage_under_a_cap(smoke_run):
     for point in results["guide_memory"]:  # fp32 representations of 3 columns, d = 384
         assert point["output_bytes"] == point["batch_size"] * 3 * 384 * 4 and point["added_bytes"] > 0
     assert "all three / unmasked" in markdown and "peak minus returned" in markdown
+    # f: group_step and the cached group loss at two batches, then group_step with the smaller in one chunk
+    group = [(point["method"], point["batch_size"], point["chunk_size"]) for point in results["group_memory"]]
+    small, large = settings["group_batch_sizes"]
+    chunk = settings["chunk_size"]
+    assert group == [
+        ("group", small, chunk), ("group cached", small, chunk), ("group", large, chunk),
+        ("group cached", large, chunk), ("group", small, small),
+    ]  # fmt: skip
+    assert all(point["fits"] and point["step_peak_bytes"] > 0 for point in results["group_memory"])
+    assert "f. One training step" in markdown
 
 
 def test_scale_runs_some_parts_again_and_keeps_the_others_with_their_own_provenance(smoke_run, tmp_path):
@@ -230,12 +240,13 @@ def test_scale_runs_some_parts_again_and_keeps_the_others_with_their_own_provena
     again, markdown = run_script("scale", tmp_path, "--parts", "d")
     assert again["provenance"]["date"] != first_run["date"]
     assert again["part_provenance"]["masked_loss_memory"] == again["provenance"]
-    others = ("steps", "loss_memory", "loss_time", "guide_memory")
+    others = ("steps", "loss_memory", "loss_time", "guide_memory", "group_memory")
     assert all(again["part_provenance"][part] == first_run for part in others)
     assert all(again["results"][part] == saved["results"][part] for part in others)
     variants = [point["variant"] for point in again["results"]["masked_loss_memory"]]
     assert variants == saved["settings"]["mask_variants"]
-    assert "- parts steps, loss_memory, loss_time, guide_memory:" in markdown and "0000000" in markdown
+    assert "- parts steps, loss_memory, loss_time, guide_memory, group_memory:" in markdown
+    assert "0000000" in markdown
     assert "- parts masked_loss_memory:" in markdown
     with pytest.raises(SystemExit, match="holds none"):  # nothing saved to keep: every part must run
         scale.main(["--preset", "smoke", "--out_dir", str(tmp_path / "x"), "--parts", "d", "--allow_dirty"])
@@ -293,9 +304,15 @@ def test_make_results_assembles_every_section(results_dir, smoke_run):
         assert re.search(
             rf"\| speed: a step of ours at most [\d.]+x one of {other} .*\| (met|missed by \d+%) \|", targets
         )
+    assert re.search(r"\| speed: a step of the loss without in-batch .*\| (met|missed by \d+%) \|", targets)
     assert "| exactness: no speed-up changes the gradient |" in targets
-    for target in ("loss stage: a step at batch 16,384", "tiled loss time", "a full training step at batch"):
-        assert re.search(rf"\| {target}.*\| (met|missed.*|not measured.*) \|", targets)
+    for target in (
+        "loss stage: a step at batch 16,384",
+        "tiled loss time",
+        "a full training step at batch",
+        "without in-batch negatives, group_step's memory stays one chunk",
+    ):
+        assert re.search(rf"\| {target}.*\| (met.*|missed.*|not measured.*) \|", targets)
     verdicts = r"(holds at every chunk size, by [\d.]+% to [\d.]+%|not at chunk .*)"
     assert re.search(rf"\| gradient checkpointing lowers the peak memory .*\| {verdicts} \|", targets)
     # the runs had uncommitted changes, or one clean commit: the page says which

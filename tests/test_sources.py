@@ -18,6 +18,7 @@ from test_train import (
     CONFIGS,
     TOLERANCE,
     fails_with,
+    launch,
     launch_deepspeed,
     logged_scalars,
     max_difference,
@@ -205,3 +206,32 @@ def test_two_zero3_processes_on_two_sources_train_as_one_process_holding_the_glo
     difference = max_difference(weights(tmp_path / "one" / "final"), weights(tmp_path / "two" / "final"))
     print(f"two sources, ZeRO-3 x 2 against one process: max weight difference {difference:.2e}")
     assert difference < TOLERANCE
+
+
+# bf16 keeps 8 bits of mantissa: a loss within 5%, an update within 30% (in norm) of fp32's, as
+# tests/backend_worker.py allows bf16 against its fp32 reference.
+BF16_LOSS, BF16_UPDATE = 0.05, 0.3
+
+
+def test_two_sources_under_bf16_autocast_follow_the_fp32_run(
+    tmp_path, sources, model_without_dropout, monkeypatch
+):
+    """accelerate's bf16 (autocast) launched on the two sources, against the same run in fp32: the same
+    sources step by step, the losses and weights close to fp32's, yet not equal to them (bf16 really ran).
+    The teacher's scores, read as float64 from JSON, meet a student's scores computed in bf16."""
+    common = two_source_flags(model_without_dropout, sources, "--batch_size", 8, "--max_steps", 4)
+    run_main(monkeypatch, *common, "--output_dir", tmp_path / "fp32")
+    done = launch(CONFIGS / "bf16.yaml", tmp_path / "bf16", *common)
+    assert "mixed_precision: bf16" in done.stdout
+    fp32, bf16 = logged_scalars(tmp_path / "fp32"), logged_scalars(tmp_path / "bf16")
+    assert bf16["train/source"] == fp32["train/source"]
+    assert {int(v) for _, v in bf16["train/source"]} == {0, 1}
+    losses = [value for _, value in bf16["train/loss"]]
+    assert losses == pytest.approx([value for _, value in fp32["train/loss"]], rel=BF16_LOSS)
+    initial, reference = weights(model_without_dropout), weights(tmp_path / "fp32" / "final")
+    saved = weights(tmp_path / "bf16" / "final")
+    assert all(torch.isfinite(value).all() for value in saved.values())
+    update = torch.cat([(reference[name] - initial[name]).flatten() for name in initial])
+    off = torch.cat([(saved[name] - reference[name]).flatten() for name in initial])
+    print(f"two sources, bf16 against fp32: losses {losses}, update off by {off.norm() / update.norm():.2e}")
+    assert 1e-3 * update.norm() < off.norm() < BF16_UPDATE * update.norm()  # bf16 ran, and close

@@ -440,15 +440,6 @@ def zero3_partitioning_everything(folder):
     return config
 
 
-def test_bf16_run_trains(tmp_path, data, model_without_dropout):
-    common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS)
-    done = launch(CONFIGS / "bf16.yaml", tmp_path, *common)
-    assert "mixed_precision: bf16" in done.stdout
-    saved, initial = weights(tmp_path / "final"), weights(model_without_dropout)
-    assert all(torch.isfinite(value).all() for value in saved.values())
-    assert max_difference(saved, initial) > 100 * TOLERANCE
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Clear errors before training starts
 # ---------------------------------------------------------------------------------------------------------
