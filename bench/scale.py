@@ -174,7 +174,7 @@ parser.add_argument(
 parser.add_argument(
     "--parts",
     nargs="+",
-    choices="abcde",
+    choices="abcdef",
     help="run only these parts again (e.g. d e); the others stay as the saved json has them, each part "
     "with the commit and date of its own run",
 )
