@@ -346,9 +346,10 @@ def group_step(
     encode = group_encoder(
         columns, encoders, encode_group, select or select_examples, get_rep or sentence_embedding
     )
+    counted = [example_lengths(column, n) for column, n in zip(columns, lengths, strict=True)]
     out_of_memory = OutOfMemory(agree_on_out_of_memory, limits, by_tokens)
 
-    total = 0.0
+    total, forwards = 0.0, 0
     for g, [(_, index, padding)] in enumerate(plan):
         is_last = g == len(plan) - 1
         if is_last:
@@ -356,10 +357,14 @@ def group_step(
         elif out_of_memory.ran_out:
             continue  # to the agreement before the last backward
         with out_of_memory.watch(collective=is_last), sync_context(is_last):
-            reps = encode([Chunk(c, index, padding) for c in range(len(columns))])
+            pieces = [column_pieces(None if n is None else n[index], len(index)) for n in counted]
+            encoded = encode([Chunk(c, index[p], padding) for c, column in enumerate(pieces) for p in column])
+            reps, repeated = rows_in_order(encoded, pieces, len(index))
+            forwards += len(encoded)
             with torch.autocast(reps[0].device.type, enabled=False):
                 terms = loss_fn(*[rep.float() for rep in reps], rows=index)
-                loss = terms.sum() * (0.0 if padding else 1.0 / batch_size)  # padding: reach, add nothing
+                # padding, and a row encoded twice to keep the passes even: reach, add nothing
+                loss = terms.sum() * (0.0 if padding else 1.0 / batch_size) + 0.0 * repeated
             total = total + loss.detach()
             skipped = is_last and any_process(not bool(torch.isfinite(total)))  # one sync per step
             if skipped:
@@ -369,11 +374,41 @@ def group_step(
     out_of_memory.agree(collectively=False)
     return StepReport(
         loss=total,
-        num_chunks=len(plan) * len(columns),
+        num_chunks=forwards,
         num_reencoded=0,
         rep_grad_norm=float("nan"),  # no representation gradients are cached
         skipped=skipped,
     )
+
+
+def column_pieces(lengths, rows):
+    """The positions (0 to rows - 1) of a chunk's rows in the forwards of one column: longest text first, in
+    GROUP_FORWARDS forwards, where `Refinements.sort_by_length` is on and the column's `lengths` (of these
+    rows) are known; else one forward in row order. Chunks of rows are ordered by a row's longest text, so
+    a column's own texts pad less when sorted again (measured on bench/ data, batch 256, chunks of 32 rows:
+    1.34x the padded tokens of per-column chunks in one forward, 1.01x in two). Every process runs as many
+    forwards (ZeRO-3 gathers the parameters in each): a chunk of one row encodes it again."""
+    if not (REFINEMENTS.sort_by_length and lengths is not None):
+        return [torch.arange(rows)]
+    order = torch.argsort(lengths, descending=True, stable=True)
+    return list(order.tensor_split(GROUP_FORWARDS)) if rows >= GROUP_FORWARDS else [order] * GROUP_FORWARDS
+
+
+GROUP_FORWARDS = 2  # per column and chunk of rows, in group_step
+
+
+def rows_in_order(outputs, pieces, rows):
+    """(each column's representations in the chunk's row order, the sum of the repeated rows' ones: the
+    loss adds it times 0, so that their forwards reach the backward and add nothing)."""
+    reps, repeated, outputs = [], 0.0, iter(outputs)
+    for column in pieces:
+        encoded = [next(outputs) for _ in column]
+        if sum(map(len, column)) > rows:  # one row, encoded again
+            repeated = repeated + sum(rep.sum() for rep in encoded[1:])
+            column, encoded = column[:1], encoded[:1]
+        positions = torch.cat(column).to(encoded[0].device)
+        reps.append(torch.cat(encoded)[torch.argsort(positions)])
+    return reps, repeated
 
 
 def row_lengths(columns, lengths):

@@ -208,7 +208,8 @@ def make_step(method, model, chunk_size, chunk_tokens=None, **gradcache_flags):
 
         return st_step
     if method in GROUP_METHODS:
-        # a chunk of chunk_size rows encodes chunk_size texts of each column, as a cached chunk does
+        # a chunk of chunk_size rows holds chunk_size texts of each column, as a cached chunk holds
+        # chunk_size texts; group_step encodes each column's in gradcache.GROUP_FORWARDS forwards
         group_loss = partial(gradcache.group_loss, scale=SCALE)
         chunks = chunking(chunk_size, chunk_tokens)
 

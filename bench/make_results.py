@@ -198,9 +198,12 @@ def speed_targets(saved):
     ]
     for ours, other, limit, min_batch, words in comparisons:
         target = "speed: a step of " + words.format(limit)
+        timed = measurements
+        if other == "group-only, cached":  # in rounds of its own where speed.py timed it so (--parts group)
+            timed = saved["results"].get("group_measurements", measurements)
         measured = [
             (m["batch_size"], statistics.median(paired_ratios(m["runs"], ours, other)), m)
-            for m in measurements
+            for m in timed
             if other in m["runs"] and ours in m["runs"] and m["batch_size"] >= min_batch
         ]
         if not measured:

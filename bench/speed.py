@@ -11,7 +11,8 @@ switched on and off (up to --ablation_max_batch), all chunked by --chunk_size ex
 loss at its best setting, `mini_batch_num_tokens` equal to it (a budget of tokens without padding). The
 loss without in-batch negatives (`gradcache.group_loss`) runs both through the cache (gradcache_step) and
 without it (`gradcache.group_step`: each chunk of rows back-propagated directly, no second forward), at
-the same batch and the same texts per forward.
+the same batch and chunk (--chunk_size rows of group_step against as many texts per cached chunk), in
+rounds of their own (`--parts group`).
 Model forward hooks split each step into encoding without and with gradient, the optimizer and the rest
 (backward, loss); for ours also stage 2 (the loss and its gradient) and chunk selection.
 
@@ -20,6 +21,7 @@ Before timing, a sanity check: plain, ours and ST with dropout off give the same
     python bench/speed.py                               # CPU: batches 64, 256, 1024; about 70 min
     python bench/speed.py --device cuda --preset gpu    # one GPU: batches 1024 and 4096, a few minutes
     python bench/speed.py --preset smoke                # tiny batches, seconds: the test suite runs this
+    python bench/speed.py --parts group                 # the group-only pair again, the rest as saved
 
 Writes bench/results/speed_<preset>.{json,md,png}.
 """
@@ -70,7 +72,7 @@ PRESETS = {
     },
 }
 # Parts of a step timed apart; "backward and the rest" is the step minus the others.
-PARTS = (
+STEP_PARTS = (
     "forward no grad",
     "forward with grad",
     "stage 2: loss and its gradient",
@@ -93,6 +95,9 @@ VARIANTS = {
     "group-only, no cache": ("group", {}, False),
 }
 TOKEN_VARIANTS = [name for name, (_, _, by_tokens) in VARIANTS.items() if by_tokens]
+# --parts: "main" times every variant but the group-only pair, which "group" times on its own, side by side
+GROUP_VARIANTS = ["group-only, cached", "group-only, no cache"]
+PARTS = {"main": [name for name in VARIANTS if name not in GROUP_VARIANTS], "group": GROUP_VARIANTS}
 
 parser = harness.benchmark_parser(__doc__, PRESETS)
 parser.add_argument("--batch_sizes", type=int, nargs="+", help="override the preset's batch sizes")
@@ -102,6 +107,12 @@ parser.add_argument("--chunk_size", type=int, help="override the preset's chunk 
 parser.add_argument("--chunk_tokens", type=int, help="override the preset's token budget of a chunk")
 parser.add_argument("--rounds", type=int, help="measured rounds (steps per variant)")
 parser.add_argument("--warmup", type=int, help="rounds run first and left out")
+parser.add_argument(
+    "--parts",
+    nargs="+",
+    choices=list(PARTS),
+    help="run only these parts again (e.g. group); the others stay as the saved json has them",
+)
 
 
 class StepClock:
@@ -160,7 +171,7 @@ class StepClock:
         return {**flags, "loss_fn": timed_loss, "backward": timed_backward, "select": timed_select}
 
     def run(self, step, optimizer, features, profile):
-        """One training step: its seconds, its loss, and while profiling the seconds per part (PARTS)."""
+        """One training step: its seconds, its loss, and while profiling the seconds per STEP_PARTS."""
         self.profiling, self.parts = profile, {}
         started = self.now()
         loss = step(features)
@@ -229,16 +240,25 @@ def measure(args):
     model = harness.load_model(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5)
     clock = StepClock(model, args.device)
+    texts = harness.load_texts(max(args.batch_sizes) * (args.warmup + args.rounds))
+    results = {}
+    if "main" in (args.parts or PARTS):
+        features = harness.tokenize(model, texts, 0, min(args.batch_sizes))
+        results["agreement"] = check_agreement(model, features, args.chunk_size)
+        print(f"agreement: {results['agreement']}", flush=True)
+        results["measurements"] = measure_variants(PARTS["main"], model, optimizer, clock, texts, args)
+    if "group" in (args.parts or PARTS):
+        results["group_measurements"] = measure_variants(PARTS["group"], model, optimizer, clock, texts, args)
+    return results
+
+
+def measure_variants(variants, model, optimizer, clock, texts, args):
+    """Every batch: the variants taking turns on the same batches, round after round."""
     total_rounds = args.warmup + args.rounds
-    texts = harness.load_texts(max(args.batch_sizes) * total_rounds)
-    agreement = check_agreement(
-        model, harness.tokenize(model, texts, 0, min(args.batch_sizes)), args.chunk_size
-    )
-    print(f"agreement: {agreement}", flush=True)
     profile_timed_rounds = not args.device.startswith("cuda")
     measurements = []
     for batch_size in args.batch_sizes:
-        names = [name for name in VARIANTS if batch_size <= variant_max_batch(name, args)]
+        names = [name for name in variants if batch_size <= variant_max_batch(name, args)]
         steps = {name: make_variant_step(name, model, args, clock) for name in names}
         runs, parts = {name: [] for name in names}, {name: [] for name in names}
         did_not_fit = []
@@ -272,7 +292,14 @@ def measure(args):
                 "did_not_fit": did_not_fit,
             }
         )
-    return {"agreement": agreement, "measurements": measurements}
+    return measurements
+
+
+def group_measurement(results, measurement):
+    """The group-only pair's measurement at this batch: its own part's (runs saved before it had one kept
+    the pair among the others)."""
+    apart = {m["batch_size"]: m for m in results.get("group_measurements", [])}
+    return apart.get(measurement["batch_size"], measurement)
 
 
 def paired_ratio(runs, numerator, denominator):
@@ -322,6 +349,7 @@ def table(results, args):
     ratio_rows, time_rows, part_rows = [], [], []
     for measurement in results["measurements"]:
         batch_size, runs = measurement["batch_size"], measurement["runs"]
+        group = group_measurement(results, measurement)
         ratio_rows.append(
             [
                 batch_size,
@@ -335,15 +363,20 @@ def table(results, args):
                 ratio_cell(runs, "ours, unsorted, no reuse", "ours"),
                 ratio_cell(runs, "ours, unsorted, no reuse", "ST cached"),
                 encoding_ratio(measurement),
-                ratio_cell(runs, "group-only, no cache", "group-only, cached"),
+                ratio_cell(group["runs"], "group-only, no cache", "group-only, cached"),
             ]
         )
-        time_rows.append([batch_size] + [time_cell(measurement, name) for name in VARIANTS])
-        for name in ("plain", "ST cached", "ours", "ours, unsorted", *TOKEN_VARIANTS):
-            if name in runs:
-                step_parts = measurement["parts"][name]
-                medians = [statistics.median(p.get(part, 0.0) for p in step_parts) for part in PARTS]
-                seconds = [median_seconds(runs, name), *medians]
+        time_rows.append(
+            [batch_size]
+            + [time_cell(group if name in GROUP_VARIANTS else measurement, name) for name in VARIANTS]
+        )
+        profiled = ("plain", "ST cached", "ours", "ours, unsorted", *TOKEN_VARIANTS)
+        shown = [(measurement, name) for name in profiled] + [(group, name) for name in GROUP_VARIANTS]
+        for source, name in shown:
+            if name in source["runs"]:
+                step_parts = source["parts"][name]
+                medians = [statistics.median(p.get(part, 0.0) for p in step_parts) for part in STEP_PARTS]
+                seconds = [median_seconds(source["runs"], name), *medians]
                 part_rows.append([batch_size, name, *(f"{value:.2f}" for value in seconds)])
     sections.append(
         "Step time ratios: median of the per-round ratios (lowest-highest over "
@@ -356,7 +389,9 @@ def table(results, args):
         )
         + "Below 1 means the first is faster. Plain runs up to batch "
         f"{args.plain_max_batch} (the memory benchmark shows what it needs beyond), ours with its switches "
-        f"off up to batch {args.ablation_max_batch}."
+        f"off up to batch {args.ablation_max_batch}. The group-only pair (the loss without in-batch "
+        "negatives, through the cache and without it) "
+        + ("in rounds of its own." if "group_measurements" in results else "in the same rounds.")
     )
     sections.append(
         harness.markdown_table(
@@ -382,7 +417,7 @@ def table(results, args):
     sections.append(
         "Where the time goes: median seconds per step and per part (medians need not add up to the step)."
     )
-    sections.append(harness.markdown_table(["batch", "variant", "step", *PARTS], part_rows))
+    sections.append(harness.markdown_table(["batch", "variant", "step", *STEP_PARTS], part_rows))
     return "\n\n".join(sections)
 
 
@@ -390,13 +425,14 @@ def plot(results, args, path):
     """Per batch, each variant's step time over ours': median of the per-round ratios, bars their range."""
     figure, axes = plt.subplots(figsize=(8, 4.5))
     measurements = results["measurements"]
-    width = 0.8 / len(VARIANTS)
-    for v, name in enumerate(VARIANTS):
+    shown = PARTS["main"]  # the group-only pair is timed against itself, not against ours
+    width = 0.8 / len(shown)
+    for v, name in enumerate(shown):
         xs, medians, lows, highs = [], [], [], []
         for m, measurement in enumerate(measurements):
             if name in measurement["runs"]:
                 median, low, high = paired_ratio(measurement["runs"], name, "ours")
-                xs.append(m + (v - (len(VARIANTS) - 1) / 2) * width)
+                xs.append(m + (v - (len(shown) - 1) / 2) * width)
                 medians.append(median)
                 lows.append(median - low)
                 highs.append(high - median)

@@ -95,12 +95,14 @@ def test_speed_compares_equal_work_and_times_every_variant(smoke_run):
         "ours, unsorted, no reuse",
         "ST cached, token budget",
         "ours, token budget",
-        "group-only, cached",
-        "group-only, no cache",
     }
-    for name, runs in measurement["runs"].items():
-        assert len(runs) == saved["settings"]["rounds"] == len(measurement["parts"][name])
+    (group,) = saved["results"]["group_measurements"]  # the group-only pair, in rounds of its own
+    assert set(group["runs"]) == {"group-only, cached", "group-only, no cache"}
+    for name, runs in [*measurement["runs"].items(), *group["runs"].items()]:
+        assert len(runs) == saved["settings"]["rounds"]
+        assert len(runs) == len((group if name.startswith("group") else measurement)["parts"][name])
         assert all(run["seconds"] > 0 for run in runs)
+    assert "| group-only, no cache |" in markdown  # its parts: forward with grad, backward...
     (plain,) = measurement["parts"]["plain"]
     assert plain["forward with grad"] > 0 and "forward no grad" not in plain
     for name in ("ours", "ST cached"):  # encoded without grad first, then again with grad

@@ -10,6 +10,7 @@ import copy
 import functools
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -109,11 +110,15 @@ def test_teacher_scores_must_match_the_texts(tmp_path, capsys):
     )
 
 
-@pytest.mark.parametrize("chunking", [{"chunk_size": 3}, {"chunk_tokens": 40}], ids=["size", "tokens"])
-def test_group_step_equals_plain_autograd_with_one_forward_per_chunk(tmp_path, chunking):
+GROUP_CHUNKINGS = {"size": {"chunk_size": 3}, "tokens": {"chunk_tokens": 40}, "one-row": {"chunk_size": 1}}
+
+
+@pytest.mark.parametrize("chunking", GROUP_CHUNKINGS.values(), ids=GROUP_CHUNKINGS.keys())
+def test_group_step_equals_plain_autograd_without_a_second_forward(tmp_path, chunking):
     """Without in-batch negatives each chunk of rows is back-propagated as it is encoded: the parameter
     gradients equal plain autograd's on the whole batch (tests/references.py), and no chunk is encoded
-    twice nor without grad."""
+    without grad. Each column's texts of a chunk go through gradcache.GROUP_FORWARDS forwards, longest
+    first, and back into row order; a chunk of one row encodes it again, weighed 0 ("one-row")."""
     model, words = tiny_sentence_transformer(tmp_path)
     model.eval()  # no dropout: plain autograd draws no masks
     reference = copy.deepcopy(model)
@@ -147,6 +152,9 @@ def test_group_step_equals_plain_autograd_with_one_forward_per_chunk(tmp_path, c
     print(f"loss {loss_error:.1e}, gradients {gradient_error:.1e}, masked {stats['masked_fraction']:.2f}")
     assert loss_error <= 1e-5 and gradient_error <= 1e-5
     assert all(calls) and len(calls) == report.num_chunks > 3 and report.num_reencoded == 0
+    if "chunk_size" in chunking:  # every column of every chunk of rows in GROUP_FORWARDS forwards
+        chunks = math.ceil(10 / chunking["chunk_size"])
+        assert report.num_chunks == chunks * len(columns) * gradcache.GROUP_FORWARDS
     assert stats["masked_fraction"] > 0
 
 
