@@ -257,6 +257,8 @@ def speed_miss(ours, other, measurements):
             f"selection; its forward passes take {forward[ours]:.2f} s against {forward[other]:.2f} s for "
             f"{other}"
         )
+        backward = [median_part(m, name, "backward and the rest") for name in (ours, other)]
+        note += f"; the backward and the rest {backward[0]:.2f} s against {backward[1]:.2f} s"
         if ours == "ours" and "ours, unsorted" in forward:
             note += f"; unsorted chunks' forward passes take {forward['ours, unsorted']:.2f} s"
         notes.append(note)
