@@ -319,7 +319,8 @@ def group_step(
     Without in-batch negatives (FlagEmbedding's no_in_batch_neg, NeMo's embedding recipes), anchor i is
     scored against its own positive and hard negatives only: L = (1 / B) sum_i l(a_i, p_i, n_i1..n_ik), a
     sum of per-row terms. A chunk of rows, encoded in every column, holds all its terms' inputs, so it is
-    back-propagated directly: one forward per chunk, no second forward, no cached gradients.
+    back-propagated directly: encoded once, with grad (each column's texts in GROUP_FORWARDS forwards,
+    longest first: `column_pieces`), no second forward, no cached gradients.
 
     loss_fn:      loss(*reps, rows=index) -> one term per row of a chunk, whose representations `reps` are
                   in column order and whose rows in the batch are `index` (to read per-row side data such
