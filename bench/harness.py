@@ -9,9 +9,9 @@ hard-negative columns, cosine similarity, scale 20):
             `loss(features, labels)` then `.backward()` (the re-encoding runs in a backward hook).
 
 Without in-batch negatives (each anchor against its own positive and hard negatives, `gradcache.group_loss`)
-two more, at the same batch and the same texts per forward:
+two more, at the same batch and chunk (chunk_size rows, or texts per cached chunk):
 
-    group         gradcache.group_step: each chunk of rows back-propagated directly, one forward;
+    group         gradcache.group_step: each chunk of rows back-propagated directly, no second forward;
     group cached  the same loss through gradcache_step: encoded without grad, then again with grad.
 
 The benchmark scripts import it; `run_benchmark` is their common main (preset, provenance, measuring, the
