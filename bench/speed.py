@@ -124,6 +124,7 @@ class StepClock:
         self.device = device
         self.profiling = False
         self.parts = {}
+        self.tokens = {"padded": 0, "real": 0}
         self.forward_started = None
         self.loss_started = None
         model.register_forward_pre_hook(self.on_forward_start)
@@ -137,6 +138,10 @@ class StepClock:
         self.parts[part] = self.parts.get(part, 0.0) + seconds
 
     def on_forward_start(self, module, args):
+        mask = args[0].get("attention_mask") if args and isinstance(args[0], dict) else None
+        if mask is not None:  # what the forward pays for (padded) and what it encodes (real)
+            self.tokens["padded"] += mask.numel()
+            self.tokens["real"] += int(mask.sum())
         if self.profiling:
             self.forward_started = self.now()
 
@@ -171,8 +176,9 @@ class StepClock:
         return {**flags, "loss_fn": timed_loss, "backward": timed_backward, "select": timed_select}
 
     def run(self, step, optimizer, features, profile):
-        """One training step: its seconds, its loss, and while profiling the seconds per STEP_PARTS."""
-        self.profiling, self.parts = profile, {}
+        """One training step: its seconds, its loss, while profiling the seconds per STEP_PARTS, and the
+        tokens its forward passes took, padded and real."""
+        self.profiling, self.parts, self.tokens = profile, {}, {"padded": 0, "real": 0}
         started = self.now()
         loss = step(features)
         optimizer_started = self.now() if profile else None
@@ -183,7 +189,7 @@ class StepClock:
             self.add("optimizer (AdamW)", started + total - optimizer_started)
             self.add("backward and the rest", total - sum(self.parts.values()))
         self.profiling = False
-        return total, float(loss), self.parts
+        return total, float(loss), self.parts, self.tokens
 
 
 def variant_max_batch(name, args):
@@ -269,7 +275,7 @@ def measure_variants(variants, model, optimizer, clock, texts, args):
             rotation = round_index % len(names)
             for name in names[rotation:] + names[:rotation]:
                 try:
-                    seconds, loss, step_parts = clock.run(
+                    seconds, loss, step_parts, tokens = clock.run(
                         steps[name], optimizer, features, profile=profile_timed_rounds or not timed
                     )
                 except Exception as error:  # a variant out of memory leaves the comparison, others raise
@@ -279,7 +285,7 @@ def measure_variants(variants, model, optimizer, clock, texts, args):
                     did_not_fit.append(name)
                     continue
                 if round_index >= args.warmup and timed:
-                    runs[name].append({"seconds": seconds, "loss": loss})
+                    runs[name].append({"seconds": seconds, "loss": loss, "tokens": tokens})
                 if round_index >= args.warmup and step_parts:
                     parts[name].append(step_parts)
                 print(f"batch {batch_size} round {round_index} {name}: {seconds:.2f} s", flush=True)
@@ -331,6 +337,17 @@ def encoding_ratio(measurement):
     return f"{encoding['ours'] / encoding['ours, unsorted']:.2f}x"
 
 
+def tokens_cell(measurement, name):
+    """The tokens a step's forward passes took, with padding, and their share of padding; the same every
+    round at one batch (the rounds' batches differ: the median). Runs saved before it was counted: -."""
+    counted = [run["tokens"] for run in measurement["runs"][name] if "tokens" in run]
+    if not counted:
+        return "-"
+    padded = statistics.median(tokens["padded"] for tokens in counted)
+    real = statistics.median(tokens["real"] for tokens in counted)
+    return f"{padded:,.0f} ({padded / real:.2f}x)"
+
+
 def time_cell(measurement, name):
     if name in measurement["did_not_fit"]:
         return "did not fit"
@@ -377,7 +394,8 @@ def table(results, args):
                 step_parts = source["parts"][name]
                 medians = [statistics.median(p.get(part, 0.0) for p in step_parts) for part in STEP_PARTS]
                 seconds = [median_seconds(source["runs"], name), *medians]
-                part_rows.append([batch_size, name, *(f"{value:.2f}" for value in seconds)])
+                cells = [f"{value:.2f}" for value in seconds] + [tokens_cell(source, name)]
+                part_rows.append([batch_size, name, *cells])
     sections.append(
         "Step time ratios: median of the per-round ratios (lowest-highest over "
         f"{args.rounds} rounds; {args.warmup} warm-up round(s) left out), chunk {args.chunk_size}"
@@ -417,7 +435,8 @@ def table(results, args):
     sections.append(
         "Where the time goes: median seconds per step and per part (medians need not add up to the step)."
     )
-    sections.append(harness.markdown_table(["batch", "variant", "step", *STEP_PARTS], part_rows))
+    header = ["batch", "variant", "step", *STEP_PARTS, "tokens encoded, padded (padded / real)"]
+    sections.append(harness.markdown_table(header, part_rows))
     return "\n\n".join(sections)
 
 

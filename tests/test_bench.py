@@ -102,6 +102,10 @@ def test_speed_compares_equal_work_and_times_every_variant(smoke_run):
         assert len(runs) == saved["settings"]["rounds"]
         assert len(runs) == len((group if name.startswith("group") else measurement)["parts"][name])
         assert all(run["seconds"] > 0 for run in runs)
+        # the tokens its forward passes took: padding included, stage 1's and 3's both for the cached ones
+        assert all(run["tokens"]["padded"] >= run["tokens"]["real"] > 0 for run in runs)
+    (cached,), (direct,) = (group["runs"][name] for name in ("group-only, cached", "group-only, no cache"))
+    assert direct["tokens"]["real"] < cached["tokens"]["real"]  # no second forward
     assert "| group-only, no cache |" in markdown  # its parts: forward with grad, backward...
     (plain,) = measurement["parts"]["plain"]
     assert plain["forward with grad"] > 0 and "forward no grad" not in plain
