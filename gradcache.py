@@ -386,9 +386,10 @@ def column_pieces(lengths, rows):
     """The positions (0 to rows - 1) of a chunk's rows in the forwards of one column: longest text first, in
     GROUP_FORWARDS forwards, where `Refinements.sort_by_length` is on and the column's `lengths` (of these
     rows) are known; else one forward in row order. Chunks of rows are ordered by a row's longest text, so
-    a column's own texts pad less when sorted again (measured on bench/ data, batch 256, chunks of 32 rows:
-    1.34x the padded tokens of per-column chunks in one forward, 1.01x in two). Every process runs as many
-    forwards (ZeRO-3 gathers the parameters in each): a chunk of one row encodes it again."""
+    a column's own texts pad less when sorted again (bench/speed.py counts the padded tokens: at batch
+    1,024, chunks of 32 rows, 1.31x the real ones, against 1.10x for the cache's per-column chunks). Every
+    process runs as many forwards (ZeRO-3 gathers the parameters in each): a chunk of one row encodes it
+    again."""
     if not (REFINEMENTS.sort_by_length and lengths is not None):
         return [torch.arange(rows)]
     order = torch.argsort(lengths, descending=True, stable=True)
