@@ -343,11 +343,11 @@ def group_step(
     lengths = [None] * len(columns) if lengths is None else list(lengths)
     check_step_arguments(encoders, columns, limits * len(columns), by_tokens, lengths, allow_batch_mixing)
     batch_size = batch_size_of(columns[0])
-    plan = plan_step([torch.arange(batch_size)], limits, by_tokens, [row_lengths(columns, lengths)], False)
+    counted = [example_lengths(column, n) for column, n in zip(columns, lengths, strict=True)]
+    plan = plan_step([torch.arange(batch_size)], limits, by_tokens, [row_lengths(counted)], False)
     encode = group_encoder(
         columns, encoders, encode_group, select or select_examples, get_rep or sentence_embedding
     )
-    counted = [example_lengths(column, n) for column, n in zip(columns, lengths, strict=True)]
     out_of_memory = OutOfMemory(agree_on_out_of_memory, limits, by_tokens)
 
     total, forwards = 0.0, 0
@@ -413,16 +413,12 @@ def rows_in_order(outputs, pieces, rows):
     return reps, repeated
 
 
-def row_lengths(columns, lengths):
-    """Tokens of each row in every column, padded alike: the columns x the row's longest text. None where a
-    column's lengths are unknown."""
-    counted = [
-        example_lengths(column, column_lengths)
-        for column, column_lengths in zip(columns, lengths, strict=True)
-    ]
+def row_lengths(counted):
+    """Tokens of each row in every column, padded alike: the columns x the row's longest text, from each
+    column's `example_lengths`. None where a column's lengths are unknown."""
     if any(column_lengths is None for column_lengths in counted):
         return None
-    return torch.stack(counted).amax(dim=0) * len(columns)
+    return torch.stack(counted).amax(dim=0) * len(counted)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -300,16 +300,14 @@ def measure_group(args):
     small = min(args.group_batch_sizes)
     runs = [(method, batch, args.chunk_size) for batch in args.group_batch_sizes for method in GROUP_METHODS]
     runs.append(("group", small, small))
-    one_process = args.group_one_process or args.device.startswith("cuda")
     points = []
     for method, batch_size, chunk_size in runs:
-        kwargs = dict(method=method, batch_size=batch_size, chunk_size=chunk_size, device=args.device)
+        kwargs = dict(method=method, batch_size=batch_size, chunk_size=chunk_size)
         kwargs["num_layers"] = args.group_layers
-        point = (
-            harness.measure_step_memory(**kwargs)
-            if one_process
-            else harness.measure_in_fresh_process("step_memory", **kwargs)
-        )
+        if args.group_one_process:
+            point = harness.measure_step_memory(device=args.device, **kwargs)
+        else:
+            point = measure_point(args, "step_memory", **kwargs)
         points.append(point)
         print(
             f"{GROUP_LABELS[method]:>22} batch {batch_size:>6}, chunk {chunk_size:>5}: "
