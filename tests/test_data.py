@@ -9,6 +9,7 @@ import pytest
 from test_train import fails_with, run_main, write_rows
 
 import train
+from pairs import build_evaluator, hub_out_of_reach
 
 
 def test_every_record_decides_the_fields_and_each_field_is_mapped_or_listed(tmp_path, capsys):
@@ -114,7 +115,7 @@ def test_a_path_that_names_nothing_stops_main_at_once(tmp_path, data, monkeypatc
     # Without HF_HUB_OFFLINE and without network: found out by one connection, not by retries.
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "https://127.0.0.1:9")  # nothing listens
-    train.hub_out_of_reach.cache_clear()
+    hub_out_of_reach.cache_clear()
     try:
         fails_with(
             capsys,
@@ -128,7 +129,7 @@ def test_a_path_that_names_nothing_stops_main_at_once(tmp_path, data, monkeypatc
             "HF_HUB_OFFLINE=1",
         )
     finally:
-        train.hub_out_of_reach.cache_clear()
+        hub_out_of_reach.cache_clear()
 
 
 def write_beir(folder):
@@ -163,12 +164,12 @@ def test_a_beir_dev_folder_is_evaluated_against_its_whole_corpus(
     _, dev, _ = data_as_loaded(monkeypatch, *run, "--dev_data", beir, "--output_dir", tmp_path / "run")
     printed = capsys.readouterr().out
     assert f"{beir}: BEIR split test, 2 queries with relevant documents, a corpus of 5 documents" in printed
-    evaluator = train.build_evaluator(dev, num_queries=0)
+    evaluator = build_evaluator(dev, num_queries=0)
     assert len(evaluator.corpus) == 5 and "w1 w2" in evaluator.corpus and "w6" in evaluator.corpus
     assert evaluator.queries == ["w10", "w11"]
     assert evaluator.relevant_docs == {"q0": {"d1", "d4"}, "q1": {"d2"}}
     assert 0 <= evaluator(SentenceTransformer(str(model_without_dropout)))["dev_cosine_ndcg@10"] <= 1
-    assert len(train.build_evaluator(dev, num_queries=1).queries) == 1  # --dev_queries 1
+    assert len(build_evaluator(dev, num_queries=1).queries) == 1  # --dev_queries 1
 
     fails_with(
         capsys,

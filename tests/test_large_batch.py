@@ -20,6 +20,7 @@ from test_gradcache import max_relative_difference, random_texts, tiny_sentence_
 from test_train import fails_with
 
 import gradcache
+import pairs
 import train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -89,12 +90,12 @@ def test_cross_encoder_scores_are_train_data(tmp_path):
         ).tolist()
         assert row["positive_scores"] + row["negative_scores"] == pytest.approx(expected, abs=1e-5)
     # The drawn positive brings its own score; the sampler never compares scores.
-    draws = train.PositiveDraws(loaded, seed=3)
+    draws = pairs.PositiveDraws(loaded, seed=3)
     example = draws[1]
     drawn = loaded[1]["positive"].index(example["positive"])
     assert example["teacher_scores"] == [loaded[1]["positive_scores"][drawn], *loaded[1]["negative_scores"]]
-    assert "teacher_scores" not in train.PositiveDraws(loaded, seed=3, texts_only=True)[1]
-    assert train.text_columns(loaded.column_names) == ["anchor", "positive", "negative_1", "negative_2"]
+    assert "teacher_scores" not in pairs.PositiveDraws(loaded, seed=3, texts_only=True)[1]
+    assert pairs.text_columns(loaded.column_names) == ["anchor", "positive", "negative_1", "negative_2"]
 
 
 def test_teacher_scores_must_match_the_texts(tmp_path, capsys):

@@ -26,7 +26,8 @@ from safetensors.torch import load_file
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import train  # noqa: E402  (after the offline switches)
+import pairs  # noqa: E402  (after the offline switches)
+import train  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
@@ -889,7 +890,7 @@ def test_evaluator_retrieves_each_query_positive_among_distinct_positives():
     import datasets
 
     dev = datasets.Dataset.from_dict({"anchor": ["q0", "q1", "q2"], "positive": ["p", "p", "r"]})
-    evaluator = train.build_evaluator(dev, num_queries=2)
+    evaluator = pairs.build_evaluator(dev, num_queries=2)
     assert evaluator.queries == ["q0", "q1"]
     assert sorted(evaluator.corpus) == ["p", "r"]
     assert evaluator.relevant_docs == {"q0": {"d0"}, "q1": {"d0"}}

@@ -1,0 +1,740 @@
+"""The data of train.py: training pairs read and checked, their batches, and the dev set. The seam a
+researcher replaces with their own data pipeline: train.py calls only what is listed here.
+
+    load_pairs(source, columns, skip_bad_records, max_text_chars, say, flag, teacher_scores)
+        -> (datasets.Dataset, records skipped). Any --data form (locate_data): a .jsonl, .json, .csv, .tsv
+        or .parquet file (optionally .gz), a folder or glob of them, a save_to_disk folder, a hub data set.
+        Its columns: anchor, positive (a text, or a list of texts), negative_1, negative_2...; with
+        teacher_scores also positive_scores and negative_scores.
+    locate_data(source, flag) -> (kind, where, split): where a --data or --dev_data value points, checked.
+    load_beir(folder, split, say) -> (queries, corpus, relevant docs) of a BEIR folder.
+    role_fields(columns, available) -> [(role, field)]: --columns read (train.py checks the flag with it).
+    make_loader(train_sets, order, names) -> the training DataLoader of one or more sources, in the
+        BatchOrder `order`; its sampler's set_epoch orders each epoch. A batch is {column: texts}, with
+        teacher_scores where the data has them and SOURCE_COLUMN, the source's number, with several.
+    text_columns(column_names) -> the columns of texts of a data set or a batch, in order.
+    build_evaluator(dev, num_queries, prompts) -> the dev set's InformationRetrievalEvaluator.
+    is_hub_name(name), hub_out_of_reach() -> whether a name, and the hub, can be reached (for --model too).
+
+Every problem with the data raises DataError, whose message says where and what to do: train.py prints it
+as its one-line failure. Nothing here imports accelerate or reads train.py's flags: what it needs comes as
+arguments, or as one BatchOrder.
+"""
+
+import collections
+import csv
+import dataclasses
+import functools
+import glob
+import gzip
+import itertools
+import json
+import random
+import re
+import socket
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import datasets
+import huggingface_hub
+import pandas
+import torch
+from sentence_transformers.base.sampler import NoDuplicatesBatchSampler
+from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+
+__all__ = [
+    "SOURCE_COLUMN",
+    "BatchOrder",
+    "DataError",
+    "PositiveDraws",
+    "build_evaluator",
+    "hub_out_of_reach",
+    "is_hub_name",
+    "load_beir",
+    "load_pairs",
+    "locate_data",
+    "make_loader",
+    "role_fields",
+    "text_columns",
+]
+
+
+class DataError(ValueError):
+    """The data cannot be used as given: the message names the place and what to do (train.py prints it as
+    its one-line failure)."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Records: pairs from a local file or a hub data set, every record checked before training (a bad one is
+# named with its file and place, and what to do); each field read for its role as --columns or its name says
+# ---------------------------------------------------------------------------------------------------------
+
+
+def load_pairs(
+    source,
+    columns="",
+    skip_bad_records=False,
+    max_text_chars=20_000,
+    say=print,
+    flag="--data",
+    teacher_scores=False,
+):
+    """(datasets.Dataset, number of records skipped) from `source`, any form locate_data reads: a .jsonl,
+    .json (JSON lines or one array of records), .csv, .tsv or .parquet file (optionally .gz), a folder or glob
+    of them, a save_to_disk folder or a hub data set, name[:split]. `columns` maps fields to roles as
+    --columns does; `say` prints the mapping (main: on the main process only); `flag` names the source.
+
+    The fields are those of all the records, not of the first: every field is mapped to a role or printed as
+    unused, and a record without a mapped field that others have is a bad record. The data set's columns:
+    anchor, positive, then negative_1, negative_2... A list of positives stays a list (PositiveDraws picks
+    one per epoch); the negatives fields, texts or lists, line up as negative_1, negative_2... Every record is
+    checked first: a bad one stops the run, naming its place and problem, or with `skip_bad_records` is left
+    out and counted. With `teacher_scores`, each record's scores of its positives and negatives
+    (`read_teacher_scores`) become the columns positive_scores and negative_scores.
+    """
+    records = list(read_records(source, flag))
+    present = collections.Counter(
+        field for _, record in records if isinstance(record, dict) for field in record
+    )
+    fields, named = role_fields(columns, available=present), parse_columns(columns)
+    absent = [f"{field!r} ({role})" for role, field in fields if field not in present]
+    if absent and present:  # with no field at all, no record could be read: the first is named below
+        raise DataError(
+            f"{source} has no field {', '.join(absent)} in any record, only {sorted(present)}. {MAP_YOURS}"
+        )
+    say(f"train.py: {source}: {field_roles(fields, present)}")
+    examples, skipped = [], []
+    for place, record in records:
+        if isinstance(record, dict):  # else it says, in words, what is wrong with the record
+            example = read_example(record, fields, max_text_chars, present)
+            record = read_teacher_scores(record, example, named) if teacher_scores else example
+        if isinstance(record, dict):
+            examples.append(record)
+        elif skip_bad_records:
+            skipped.append(f"{place} {record}")
+        else:
+            raise DataError(
+                f"{place} {record}. Fix or delete it, or pass --skip_bad_records to leave it out."
+            )
+    if skipped:
+        say(f"train.py: skipped {len(skipped)} bad records; the first: {skipped[0]}")
+    if not examples:
+        raise DataError(
+            f"{source} holds no usable records." + (f" The first skipped: {skipped[0]}" if skipped else "")
+        )
+    table = {}
+    for role in DEFAULT_FIELDS:  # one text each; a list where any example has several
+        texts = [example[role] for example in examples]
+        table[role] = texts if max(map(len, texts)) > 1 else [text for (text,) in texts]
+    # A batch needs the same number of negatives in every row: ragged lists are cut to the shortest.
+    negatives = [example["negative"] for example in examples]
+    count, most = min(map(len, negatives)), max(map(len, negatives))
+    if count < most:
+        say(
+            f"train.py: {source}: records hold {count} to {most} negatives; each uses its first {count} "
+            "(every row of a batch needs as many). Drop the short records to keep more."
+        )
+    table |= {f"negative_{i + 1}": [texts[i] for texts in negatives] for i in range(count)}
+    if teacher_scores:
+        table["positive_scores"] = [example["positive_scores"] for example in examples]
+        table["negative_scores"] = [example["negative_scores"][:count] for example in examples]
+    return datasets.Dataset.from_dict(table), len(skipped)
+
+
+# The fields each role is read from when --columns does not name them: sentence-transformers' names, then
+# FlagEmbedding's (query, pos, neg). Negatives by default: every field named negative(s), neg(s) or
+# hard_negative(s), numbered or not (negative_1, neg2, hard_negative_3: sentence-transformers' n-tuples,
+# MS MARCO triplets, FlagEmbedding), or negative_text, negative_passage, negative_document; never
+# negative_score, neg_ids or other metadata. A role added here is read, checked and kept as a column; the
+# step hands every column to the loss in this order, the negatives last.
+DEFAULT_FIELDS = {"anchor": ("anchor", "query"), "positive": ("positive", "pos")}
+NEGATIVE_FIELD = re.compile(r"(hard_?)?(negative|neg)(s|_(text|passage|document))?(_?\d+)?", re.IGNORECASE)
+MAP_YOURS = "Map yours with --columns, e.g. --columns anchor=question,positive=answer,negatives=neg1+neg2"
+
+
+def parse_columns(columns):
+    """{role: fields} from --columns ('anchor=q,positive=a,negatives=n1+n2,pos_scores=s'), stopped in one line
+    where it cannot be read."""
+    named = {}
+    for item in filter(None, columns.split(",")):
+        role, _, fields = (part.strip() for part in item.partition("="))
+        if role not in (*DEFAULT_FIELDS, "negatives", *SCORE_FIELDS) or not (fields or role == "negatives"):
+            raise DataError(
+                f"--columns: cannot read {item!r}; write role=field with roles anchor, positive, negatives "
+                "(several negatives joined by +, none as negatives=), pos_scores, neg_scores, e.g. "
+                "anchor=question,positive=answer,negatives=neg1+neg2"
+            )
+        named[role] = fields
+    return named
+
+
+def role_fields(columns, available):
+    """[(role, field)]: the anchor's, the positive's, then ("negative", field) for each negatives field, from
+    --columns ('anchor=q,positive=a,negatives=n1+n2'; 'negatives=' for none) and the `available` fields."""
+    named = parse_columns(columns)
+    pairs = [
+        (role, named.get(role) or next((field for field in names if field in available), names[0]))
+        for role, names in DEFAULT_FIELDS.items()
+    ]
+    if "negatives" in named:
+        negatives = [field for field in named["negatives"].split("+") if field]
+    else:
+        negatives = sorted(
+            (field for field in available if NEGATIVE_FIELD.fullmatch(field)), key=number_order
+        )
+    return pairs + [("negative", field) for field in negatives]
+
+
+def number_order(name):
+    """negative_2 before negative_10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def field_roles(fields, present):
+    """What each field is for: 'anchor <- query, positive <- pos, negatives <- neg; unused: id, score'."""
+    negatives = " + ".join(field for role, field in fields if role == "negative") or "none"
+    roles = ", ".join(f"{role} <- {field}" for role, field in fields if role != "negative")
+    unused = ", ".join(field for field in present if field not in {field for _, field in fields}) or "none"
+    return f"{roles}, negatives <- {negatives}; unused: {unused}"
+
+
+# A teacher's scores (FlagEmbedding's fields): one per positive and one per negative, a number or a list.
+SCORE_FIELDS = ("pos_scores", "neg_scores")
+SCORE_COLUMNS = ("positive_scores", "negative_scores", "teacher_scores")
+SOURCE_COLUMN = "source"  # a batch's --data source, with several
+
+
+def read_teacher_scores(record, example, named):
+    """`example` with its teacher's scores, positive_scores and negative_scores, from the record's
+    pos_scores and neg_scores (or the fields --columns maps them to, `named` by parse_columns: pos_scores=f,
+    neg_scores=f1+f2), one number per positive and per negative, in their order; or what is wrong, in
+    words."""
+    if not isinstance(example, dict):
+        return example
+    for column, field, texts in (
+        ("positive_scores", "pos_scores", "positive"),
+        ("negative_scores", "neg_scores", "negative"),
+    ):
+        scores = []
+        for name in named.get(field, field).split("+"):
+            if name not in record and example[texts]:
+                return f"has no field {name!r} (teacher scores, for --distill_weight), only {sorted(record)}"
+            value = record.get(name, [])
+            for score in value if isinstance(value, list) else [value]:
+                try:
+                    scores.append(float(score))
+                except (TypeError, ValueError):
+                    return f"has field {name!r} = {str(score)[:40]!r}, not a score (a number)"
+        if len(scores) != len(example[texts]):
+            return f"has {len(scores)} {field} for {len(example[texts])} {texts}s: give one score per text"
+        example[column] = scores
+    return example
+
+
+def text_columns(column_names):
+    """The columns of texts, in order (anchor, positive, negatives), without the teacher's scores or the
+    source."""
+    return [column for column in column_names if column not in (*SCORE_COLUMNS, SOURCE_COLUMN)]
+
+
+def read_example(record, fields, max_chars, present):
+    """{role: [texts]} from one record, or what is wrong with it, in words: every mapped field must hold a
+    real text or, for a positive or negatives field, a non-empty list of texts. `present` counts the records
+    that have each field."""
+    example = {role: [] for role in (*DEFAULT_FIELDS, "negative")}
+    for role, field in fields:
+        if field not in record:
+            return (
+                f"has no field {field!r} ({role}) that {present[field]} other records have (it has "
+                f"{sorted(record)}): every record needs each mapped field. {MAP_YOURS} (negatives= for none)"
+            )
+        value = record[field]
+        listed = isinstance(value, list) and role != "anchor"
+        if listed and not value:
+            return f"has field {field!r} = an empty list, not a text"
+        for i, text in enumerate(value if listed else [value]):
+            name = f"{field}[{i}]" if listed else field
+            if text is None or (isinstance(text, str) and not text.strip()):
+                return f"has field {name!r} empty"
+            if not isinstance(text, str):
+                return f"has field {name!r} = {type(text).__name__} {str(text)[:40]}, not a text (quote it)"
+            if len(text) > max_chars:
+                return f"has {len(text)} characters in field {name!r}, over --max_text_chars {max_chars}"
+        example[role] += value if listed else [value]
+    return example
+
+
+def read_records(source, flag):
+    """(place, record or what is wrong with it) for each record of `source`, the place naming its file: JSON
+    is read here, line by line or as one array of records; CSV and TSV by pandas; Parquet, save_to_disk
+    folders and hub data sets by datasets."""
+    kind, where, split = locate_data(source, flag)
+    if kind == "beir":
+        raise DataError(
+            f"{flag} {source} is a BEIR folder (queries, corpus, qrels): evaluate on it with --dev_data."
+        )
+    if kind == "files":
+        return itertools.chain.from_iterable(file_records(path) for path in where)
+    try:
+        if kind == "saved":
+            dataset = datasets.load_from_disk(str(where))
+        else:
+            dataset = datasets.load_dataset(where, split=split)
+        if isinstance(dataset, datasets.DatasetDict):
+            dataset = dataset[one_split(dataset, split, source, flag)]
+    except Exception as err:
+        what = (
+            "a save_to_disk folder" if kind == "saved" else "a hub data set (needs network or a cached copy)"
+        )
+        raise DataError(
+            f"{flag} {source} could not be read as {what} ({type(err).__name__}: {err})."
+        ) from err
+    return ((f"{source}, record {i}", record) for i, record in enumerate(dataset, 1))
+
+
+# The data files read, by suffix (then optionally .gz); a folder or glob of them is read file after file.
+DATA_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet"}
+
+
+def data_format(path):
+    suffixes = [suffix for suffix in Path(path).suffixes if suffix != ".gz"]
+    return DATA_FORMATS.get(suffixes[-1].lower()) if suffixes else None
+
+
+def locate_data(source, flag):
+    """(kind, where, split) of a --data or --dev_data value; one naming nothing stops at once, in one line.
+
+    kind "files": `where` lists the data files (one file, a glob such as shards/*.jsonl, or a folder, read as
+    datasets splits its files: train-*.parquet...); "saved": a save_to_disk folder; "beir": a BEIR folder;
+    "hub": a hub data set name. A split follows a folder or hub name after a colon: name:split."""
+    name, split = source, None
+    if ":" in source and not Path(source).exists():
+        name, _, split = source.rpartition(":")
+    path = Path(name).expanduser()
+    if any(char in source for char in "*?["):
+        files = sorted(Path(match) for match in glob.glob(str(path), recursive=True) if Path(match).is_file())
+        if not files:
+            raise DataError(f"{flag}: no such file or folder: {source} (no file matches the pattern).")
+    elif path.is_file():
+        files = [path]
+    elif path.is_dir():
+        if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+            return "saved", path, split
+        if (path / "corpus.jsonl").is_file() and (path / "queries.jsonl").is_file():
+            return "beir", path, split
+        try:
+            splits = datasets.data_files.DataFilesDict.from_patterns(
+                datasets.data_files.get_data_patterns(str(path)), base_path=str(path)
+            )
+        except datasets.data_files.EmptyDatasetError:
+            splits = {}
+        files = [Path(file) for file in splits[one_split(splits, split, source, flag)]] if splits else []
+        files = [file for file in files if data_format(file)]
+        if not files:
+            raise DataError(f"{flag} {source}: a folder without .jsonl, .json, .csv, .tsv or .parquet files.")
+    elif data_format(name) is None and is_hub_name(name):
+        if (offline := hub_out_of_reach()) and not huggingface_hub.constants.is_offline_mode():
+            raise DataError(
+                f"{flag}: no such file or folder: {source}, and the hub is out of reach ({offline}). "
+                "With HF_HUB_OFFLINE=1 a cached copy of a hub data set loads; else pass a local file."
+            )
+        return "hub", name, split
+    else:
+        raise DataError(
+            f"{flag}: no such file or folder: {source}. Check the path (a relative one starts at the launch)."
+        )
+    formats = {data_format(file) for file in files}
+    if len(formats) > 1 or None in formats:
+        kinds = ", ".join(sorted({"".join(file.suffixes) or file.name for file in files}))
+        raise DataError(
+            f"{flag} {source} holds {kinds}: give files of one format, .jsonl, .json, .csv, .tsv or .parquet "
+            "(optionally .gz)."
+        )
+    return "files", files, None
+
+
+# The split read when none is given (name:split), then the only one: train to train on, dev to evaluate on.
+DEFAULT_SPLITS = {"--data": ("train",), "--dev_data": ("dev", "validation", "test")}
+
+
+def one_split(splits, split, source, flag):
+    """The split asked for, else the flag's default, else the only one; else stop, listing them."""
+    split = split or next((name for name in DEFAULT_SPLITS[flag] if name in splits), None)
+    if split is None and len(splits) == 1:
+        return next(iter(splits))
+    if split not in splits:
+        raise DataError(
+            f"{flag} {source} has the splits {', '.join(map(str, splits))}: pick one, as {source}:<split>."
+        )
+    return split
+
+
+def file_records(path):
+    """(place, record or what is wrong with it) for each record of one data file."""
+    form = data_format(path)
+    if form == "json":
+        array = json_array(path) if ".json" in path.suffixes else None
+        return json_lines(path) if array is None else array
+    try:
+        if form == "parquet":
+            rows = datasets.load_dataset("parquet", data_files=str(path), split="train")
+        else:  # every field as written: pandas guessed "007" 7, "1e3" 1000, "NA" missing; TSV is never quoted
+            tsv = {"sep": "\t", "quoting": csv.QUOTE_NONE} if form == "tsv" else {}
+            rows = pandas.read_csv(path, dtype=str, keep_default_na=False, **tsv).to_dict("records")
+    except Exception as err:
+        raise DataError(
+            f"{path} could not be read as a {form} file ({type(err).__name__}: {err}). Check or convert it."
+        ) from err
+    return ((f"{path}, record {i}", record) for i, record in enumerate(rows, 1))
+
+
+def is_hub_name(name):
+    """Whether `name` could be a hub repository (org/name): ./x, ~/x and a/b/c cannot."""
+    try:
+        huggingface_hub.utils.validate_repo_id(name)
+    except huggingface_hub.errors.HFValidationError:
+        return False
+    return True
+
+
+@functools.cache
+def hub_out_of_reach():
+    """Why the hub cannot be reached ("" when it can): HF_HUB_OFFLINE, or no answer within 3 s. Without
+    network, and without HF_HUB_OFFLINE, the hub clients retry each request for 23 s: a misspelled model
+    path took 100 s to fail."""
+    if huggingface_hub.constants.is_offline_mode():
+        return "HF_HUB_OFFLINE is set"
+    if urllib.request.getproxies().get("https"):
+        return ""  # reached through the proxy, which a direct connection cannot probe
+    endpoint = urllib.parse.urlsplit(huggingface_hub.constants.ENDPOINT)
+    address = (endpoint.hostname, endpoint.port or 443)
+    try:
+        socket.create_connection(address, timeout=3).close()
+    except OSError as err:
+        return f"no network: {endpoint.hostname} did not answer ({err})"
+    return ""
+
+
+def json_array(path):
+    """(place, record or what is wrong with it) for a .json[.gz] file holding one JSON array of records,
+    "record N"; None for a file of JSON lines. A file holding another JSON value over several lines stops."""
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as file:
+        content = file.read()
+    text = content.decode("utf-8", errors="replace")  # strictly decoded below, or by json_lines line by line
+    expected = (
+        'Write a JSON array of records, [{"anchor": ..., "positive": ...}, ...], or JSON lines, one record '
+        "per line."
+    )
+    if text.lstrip().startswith("["):
+        try:
+            values = json.loads(content.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise DataError(
+                f"{path} is not valid UTF-8 (byte {content[err.start]:#04x} at offset {err.start}). "
+                "Save it as UTF-8."
+            ) from None
+        except json.JSONDecodeError as err:
+            raise DataError(
+                f"{path} is not valid JSON ({err.msg}, line {err.lineno}, column {err.colno}). {expected}"
+            ) from None
+        return [(f"{path}, record {i}", json_record(value)) for i, value in enumerate(values, 1)]
+    if sum(1 for line in text.splitlines() if line.strip()) > 1:
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError:  # several values (JSON lines), or a bad line that json_lines names
+            return None
+        raise DataError(
+            f"{path} holds one JSON {type(whole).__name__} over several lines, not records. {expected}"
+        )
+    return None
+
+
+def json_lines(path):
+    """(place, record or what is wrong with it) for every non-blank line of a JSON lines file, "line N"."""
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as lines:
+        for number, raw in enumerate(lines, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield (
+                    f"{path}, line {number}",
+                    f"is not valid UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1})",
+                )
+                continue
+            if not line.strip():
+                continue
+            try:
+                record = json_record(json.loads(line))
+            except json.JSONDecodeError as err:
+                record = f"is not valid JSON ({err.msg}, column {err.colno})"
+            yield f"{path}, line {number}", record
+
+
+def json_record(value):
+    if isinstance(value, dict):
+        return value
+    return f"is a JSON {type(value).__name__}, not an object with named fields"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Batches: no text twice in a batch, one source per optimizer step, an order that a resume replays
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchOrder:
+    """What orders the batches (train.py fills it from its flags): `processes` batches in a row are dealt
+    out to the processes by accelerate; with `cross_process_negatives` they are contrasted together."""
+
+    batch_size: int
+    seed: int = 42
+    processes: int = 1
+    cross_process_negatives: bool = False
+    gradient_accumulation_steps: int = 1
+    data_weights: tuple | None = None  # several sources: each step's source drawn with these odds
+    data_sampling: str = "proportional"  # or round_robin
+
+    @property
+    def group(self):  # the batches contrasted together
+        return self.processes if self.cross_process_negatives else 1
+
+
+def make_loader(train_sets, order, names=None):
+    """The training batches of the sources' pairs (`names` name them in errors), which accelerate shards
+    over the processes; set_epoch orders each epoch. With several sources every optimizer step reads one
+    (SourceMix)."""
+    if len(train_sets) == 1:
+        sampler = NoDuplicatesOrder(train_sets[0], order.batch_size, order.seed, order.group)
+    else:
+        sampler = SourceMix(train_sets, order, names or [f"source {k}" for k in range(len(train_sets))])
+    # Its own generator: by default every new iterator draws a seed from the global RNG, so a resumed run
+    # (one iterator more) would draw other dropout masks than an uninterrupted one.
+    return torch.utils.data.DataLoader(
+        sampler.examples, order.batch_size, sampler=sampler, drop_last=True, generator=torch.Generator()
+    )
+
+
+class NoDuplicatesOrder(torch.utils.data.Sampler):
+    """Indices in the batch order of sentence-transformers' NoDuplicatesBatchSampler: no text twice in a
+    batch, across columns (a duplicate is a false negative); seeded by seed + epoch, so a resume replays it.
+
+    A flat sampler, not a batch sampler: the DataLoader then keeps a `batch_size`, which accelerate needs to
+    shard batches over processes and to fill DeepSpeed's "auto" micro-batch size.
+
+    `group` batches in a row hold no text twice together: with cross-process negatives the contrastive
+    batch of a step is the batches of all processes, which accelerate deals out as consecutive batches of
+    this order (process i takes batches i, i + P, ...).
+    """
+
+    def __init__(self, dataset, batch_size, seed, group=1):
+        self.examples = PositiveDraws(dataset, seed)  # what the DataLoader reads: one positive per example
+        self.texts = PositiveDraws(dataset, seed, texts_only=True)  # what the sampler compares: no scores
+        self.batches = NoDuplicatesBatchSampler(
+            self.texts, batch_size * group, True, generator=torch.Generator(), seed=seed
+        )
+        self.batch_size = batch_size * group
+
+    def set_epoch(self, epoch):  # called by accelerate's DataLoaderShard.set_epoch
+        self.examples.epoch = self.texts.epoch = epoch
+        self.batches.set_epoch(epoch)
+
+    def __iter__(self):
+        return itertools.chain.from_iterable(self.batches)
+
+    def __len__(self):
+        return len(self.batches) * self.batch_size
+
+
+class SourceMix(torch.utils.data.Sampler):
+    """Several --data sources: every optimizer step takes all its batches, on every process, from one source,
+    so that its in-batch negatives come from one task and all processes compute one loss.
+
+    Each source is read in its own NoDuplicatesOrder, cut into steps of batch_size x processes x
+    gradient_accumulation_steps examples, which accelerate deals out as consecutive batches (process i takes
+    batches i, i + P, ...); a source's last part step is left out. The sources of epoch e's steps are drawn
+    from (seed, e): by default every step of every source once, in a shuffled order; with --data_weights as
+    many steps, each source drawn with those odds; round_robin, the sources in turn until the largest is read.
+    A source used up starts its next pass in a new order. The indices name (source, pass, example): the order
+    is a function of the seed and the epoch alone, so set_epoch, and a resume, replay it.
+    """
+
+    def __init__(self, train_sets, order, names):
+        self.orders = [  # each source's own seed: two copies of a file are not read in step
+            NoDuplicatesOrder(data, order.batch_size, order.seed + k, order.group)
+            for k, data in enumerate(train_sets)
+        ]
+        self.examples = SourceExamples([source.examples for source in self.orders])
+        self.step_size = order.batch_size * order.processes * order.gradient_accumulation_steps
+        self.steps = [len(source) // self.step_size for source in self.orders]  # in one pass of each source
+        for name, source, steps in zip(names, self.orders, self.steps, strict=True):
+            if steps == 0:
+                raise DataError(
+                    f"{name} makes no optimizer step: one takes {self.step_size} examples "
+                    f"(--batch_size x {order.processes} processes x --gradient_accumulation_steps), no "
+                    f"text twice in a batch, and it gives {len(source)}. Lower --batch_size, or leave the "
+                    "source out."
+                )
+        self.seed, self.weights, self.sampling = order.seed, order.data_weights, order.data_sampling
+        self.epoch, self.steps_per_epoch = 0, len(self.schedule(0))  # the same every epoch
+
+    def schedule(self, epoch):
+        """The source of each optimizer step of `epoch`."""
+        sources = range(len(self.steps))
+        if self.sampling == "round_robin":
+            return [step % len(sources) for step in range(len(sources) * max(self.steps))]
+        draw = random.Random(f"{self.seed}:{epoch}")
+        if self.weights:
+            return draw.choices(sources, self.weights, k=sum(self.steps))
+        schedule = [source for source in sources for _ in range(self.steps[source])]
+        draw.shuffle(schedule)
+        return schedule
+
+    def set_epoch(self, epoch):  # called by accelerate's DataLoaderShard.set_epoch
+        self.epoch = epoch
+
+    def __iter__(self):
+        used = [0] * len(self.orders)  # each source's steps taken before this epoch
+        for epoch in range(self.epoch):
+            for source in self.schedule(epoch):
+                used[source] += 1
+        orders = {}
+        for source in self.schedule(self.epoch):
+            source_pass, step = divmod(used[source], self.steps[source])
+            used[source] += 1
+            if orders.get(source, (None,))[0] != source_pass:
+                self.orders[source].set_epoch(source_pass)
+                orders[source] = source_pass, list(self.orders[source])
+            indices = orders[source][1][step * self.step_size : (step + 1) * self.step_size]
+            yield from ((source, source_pass, index) for index in indices)
+
+    def __len__(self):  # asked often by the DataLoader and accelerate: no new schedule each time
+        return self.steps_per_epoch * self.step_size
+
+
+class SourceExamples(torch.utils.data.Dataset):
+    """The examples of several sources (their PositiveDraws) by SourceMix's (source, pass, example), each
+    with its source's number: the step reads it to use that source's flags."""
+
+    def __init__(self, sources):
+        self.sources = sources
+
+    def __len__(self):
+        return sum(map(len, self.sources))
+
+    def __getitem__(self, index):
+        source, source_pass, example = index
+        return self.sources[source].draw(example, source_pass) | {SOURCE_COLUMN: source}
+
+
+class PositiveDraws(torch.utils.data.Dataset):
+    """The examples, each with one of its positives when it has a list of them: drawn anew each epoch from
+    (seed, epoch, example), so a resumed run draws what the uninterrupted one drew. With a teacher's scores,
+    the drawn positive's and the negatives' become `teacher_scores` (left out with `texts_only`)."""
+
+    def __init__(self, dataset, seed, texts_only=False):
+        self.dataset, self.seed, self.epoch, self.texts_only = dataset, seed, 0, texts_only
+        self.column_names = dataset.column_names
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return self.draw(index, self.epoch)
+
+    def draw(self, index, epoch):
+        example, drawn = self.dataset[index], 0
+        if isinstance(example["positive"], list):
+            draw = random.Random(f"{self.seed}:{epoch}:{index}")
+            drawn = draw.randrange(len(example["positive"]))  # what draw.choice draws
+            example["positive"] = example["positive"][drawn]
+        if "positive_scores" in example:
+            scores = [example.pop("positive_scores")[drawn], *example.pop("negative_scores")]
+            if not self.texts_only:
+                example["teacher_scores"] = scores
+        return example
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The dev evaluator: retrieval on pairs (their distinct positives the corpus) or on a BEIR folder
+# ---------------------------------------------------------------------------------------------------------
+
+
+def load_beir(folder, split, say=print):
+    """(queries, corpus, relevant docs) of a BEIR folder: corpus.jsonl (_id, title, text), queries.jsonl
+    (_id, text) and qrels/<split>.tsv (query-id, corpus-id, score, with that header), split dev, else test.
+    Relevant: a score above 0. A document is its title and text, as BEIR's own models encode it; the queries
+    are those with a relevant document."""
+    splits = {path.stem: path for path in sorted((folder / "qrels").glob("*.tsv"))}
+    if not splits:
+        raise DataError(
+            f"--dev_data {folder}: a BEIR folder needs qrels/<split>.tsv (query-id, corpus-id, score)."
+        )
+    qrels_path = splits[one_split(splits, split, str(folder), "--dev_data")]
+    qrels = pandas.read_csv(qrels_path, sep="\t", dtype=str, keep_default_na=False)
+    if list(qrels.columns[:3]) != ["query-id", "corpus-id", "score"]:
+        raise DataError(
+            f"{qrels_path} starts with {list(qrels.columns)}: a BEIR qrels file is tab-separated, with the "
+            "header query-id, corpus-id, score."
+        )
+    scores = pandas.to_numeric(qrels["score"], errors="coerce")
+    if scores.isna().any():
+        row = scores.isna().idxmax()
+        raise DataError(f"{qrels_path}, row {row + 1}: score {qrels['score'][row]!r} is not a number.")
+    relevant = collections.defaultdict(set)
+    for query_id, corpus_id in qrels.loc[scores > 0, ["query-id", "corpus-id"]].itertuples(index=False):
+        relevant[query_id].add(corpus_id)
+
+    def texts(name):
+        by_id = {}
+        for place, record in json_lines(folder / name):
+            if not (isinstance(record, dict) and "_id" in record and isinstance(record.get("text"), str)):
+                raise DataError(
+                    f"{place} {record if isinstance(record, str) else 'needs an _id and a text'} (BEIR)."
+                )
+            by_id[str(record["_id"])] = f"{record.get('title') or ''} {record['text']}".strip()
+        return by_id
+
+    corpus, queries = texts("corpus.jsonl"), texts("queries.jsonl")
+    queries = {query_id: text for query_id, text in queries.items() if relevant.get(query_id)}
+    if not queries:
+        raise DataError(f"{qrels_path}: no query of queries.jsonl has a document scored above 0.")
+    say(
+        f"train.py: {folder}: BEIR split {qrels_path.stem}, {len(queries)} queries with relevant documents, "
+        f"a corpus of {len(corpus)} documents"
+    )
+    return queries, corpus, {query_id: relevant[query_id] for query_id in queries}
+
+
+def build_evaluator(dev, num_queries, prompts=None):
+    """Retrieve each query's relevant documents among the whole corpus, scored by sentence-transformers.
+    `dev`: pairs, whose distinct positives are the corpus and a query's own positives the relevant ones, or a
+    BEIR folder's (queries, corpus, relevant docs). The first `num_queries` queries (0: all)."""
+    queries, corpus, relevant_docs = dev if isinstance(dev, tuple) else pairs_retrieval(dev)
+    kept = list(queries)[: num_queries or None]
+    return InformationRetrievalEvaluator(
+        queries={query_id: queries[query_id] for query_id in kept},
+        corpus=corpus,
+        relevant_docs={query_id: relevant_docs[query_id] for query_id in kept},
+        mrr_at_k=[10],
+        ndcg_at_k=[10],
+        accuracy_at_k=[1, 10],
+        precision_recall_at_k=[1, 10],
+        map_at_k=[10],
+        batch_size=128,
+        name="dev",
+        write_csv=False,
+        # "" for none: given None, the evaluator would fall back to the model's own prompt, which training,
+        # given None, leaves out
+        query_prompt=(prompts or {}).get("query") or "",
+        corpus_prompt=(prompts or {}).get("document") or "",
+    )
+
+
+def pairs_retrieval(dev):
+    """(queries, corpus, relevant docs) of pairs: the anchors, the distinct positives, each anchor's own."""
+    positives = [texts if isinstance(texts, list) else [texts] for texts in dev["positive"]]
+    corpus_ids = {text: f"d{i}" for i, text in enumerate(dict.fromkeys(itertools.chain(*positives)))}
+    queries = {f"q{i}": text for i, text in enumerate(dev["anchor"])}
+    relevant = {f"q{i}": {corpus_ids[text] for text in texts} for i, texts in enumerate(positives)}
+    return queries, {cid: text for text, cid in corpus_ids.items()}, relevant
