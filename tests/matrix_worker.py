@@ -52,7 +52,6 @@ class Row:
     negatives: str  # "in-batch", "group" (--in_batch_negatives off)
     extra: str  # "none", "masked" (repeated texts, a margin and a guide model), "distilled" (teacher scores)
     sources: int  # 1, or 2: steps from the row's source and SECOND_SOURCE in turn (several --data)
-    tolerance: float = 1e-5  # max relative difference, losses and weight updates (fp32)
 
     @property
     def name(self):
@@ -182,8 +181,8 @@ def load_prepared(row, model_folder, device="cpu", guide_folder=None):
     return train.prepare_model(model, args), args
 
 
-def trainable_weights(named_parameters):
-    return {name: p.detach().float().cpu().clone() for name, p in named_parameters if p.requires_grad}
+def trainable_weights(named_parameters, dtype=torch.float32):
+    return {name: p.detach().to(dtype).cpu().clone() for name, p in named_parameters if p.requires_grad}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,9 +1,110 @@
-"""Plain-autograd references that share no code with gradcache.py: the whole score matrix, materialized."""
+"""Plain-autograd references that share no code with gradcache.py (the whole score matrix, materialized), and
+the one rule every exactness test applies: a run is exact when it is as close to the float64 truth as the
+float32 reference itself is.
 
+A float32 reference and a float32 run round differently (other reduction orders, other kernels, other CPUs),
+and how much depends on the conditioning of the loss: a fixed 1e-5 between two float32 computations measures
+that rounding, not exactness, and fails on another machine. So each exactness test computes its reference
+twice, in float32 and in float64 (the same initial weights cast to double, the same inputs), and passes when
+
+    error(run, float64) <= ROUNDING_MULTIPLE * error(float32 reference, float64) + FLOOR
+
+where error is max|x - truth| / max|truth| over every entry (one denominator per quantity: a loss, the
+gradients of all parameters, the updates of all weights). FLOOR is about 8 float32 ulps. A real defect (a lost
+chunk, a gradient scaled by 1 + 1e-4, a dropped mask entry) sits far above it, which each kind's negative
+control shows.
+"""
+
+import copy
+import dataclasses
 from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
+
+ROUNDING_MULTIPLE = 4
+FLOOR = 1e-6
+
+
+def leaves(values):
+    """The tensors and numbers of a nested structure (lists, tuples, dicts by key), in a fixed order."""
+    if isinstance(values, Mapping):
+        return [leaf for key in sorted(values) for leaf in leaves(values[key])]
+    if isinstance(values, (list, tuple)):
+        return [leaf for value in values for leaf in leaves(value)]
+    return [torch.as_tensor(values, dtype=torch.float64).detach().cpu()]
+
+
+def relative_error(values, truth):
+    """max|value - truth| / max|truth| over every entry of two structures of the same shape."""
+    values, truth = leaves(values), leaves(truth)
+    assert len(values) == len(truth), (len(values), len(truth))
+    largest = max(float(t.abs().max()) for t in truth if t.numel())
+    pairs = [(v.double(), t) for v, t in zip(values, truth, strict=True) if t.numel()]
+    difference = max(float((v - t).abs().max()) for v, t in pairs)
+    return difference / largest
+
+
+@dataclasses.dataclass(frozen=True)
+class Exactness:
+    error: float  # the run against float64
+    e_ref: float  # the float32 reference against float64
+
+    @property
+    def bound(self):
+        return ROUNDING_MULTIPLE * self.e_ref + FLOOR
+
+    @property
+    def holds(self):
+        return self.error <= self.bound
+
+    def __str__(self):
+        return f"{self.error:.1e} (float32 reference {self.e_ref:.1e}, bound {self.bound:.1e})"
+
+
+def exactness(run, reference32, reference64):
+    """How far `run` is from the float64 truth, beside how far the float32 reference is."""
+    return Exactness(relative_error(run, reference64), relative_error(reference32, reference64))
+
+
+def assert_exact(run, reference32, reference64, what="result"):
+    """The rule (see the module docstring); returns the Exactness for printing."""
+    measured = exactness(run, reference32, reference64)
+    assert measured.holds, f"{what}: {measured}"
+    return measured
+
+
+def assert_inexact(run, reference32, reference64, what="wrong run"):
+    """A negative control: a deliberately wrong run must fail the same rule."""
+    measured = exactness(run, reference32, reference64)
+    assert not measured.holds, f"{what} passed the rule: {measured}"
+    return measured
+
+
+def parameter_gradients(*modules):
+    """{(module index, parameter name): gradient} of every parameter that has one."""
+    return {
+        (index, name): p.grad
+        for index, module in enumerate(modules)
+        for name, p in module.named_parameters()
+        if p.grad is not None
+    }
+
+
+def float64(values):
+    """A float64 copy: floating tensors cast to double (leaf tensors keep requires_grad), modules deep-copied
+    and cast; integer tensors, strings and other values as they are."""
+    if isinstance(values, torch.nn.Module):
+        return copy.deepcopy(values).double()
+    if isinstance(values, torch.Tensor):
+        if not values.is_floating_point():
+            return values
+        return values.detach().double().requires_grad_(values.requires_grad)
+    if isinstance(values, Mapping):
+        return type(values)({key: float64(value) for key, value in values.items()})
+    if isinstance(values, (list, tuple)):
+        return type(values)(float64(value) for value in values)
+    return values
 
 
 def materialized_contrastive_loss(

@@ -1,7 +1,8 @@
 """The tiled contrastive loss against the materialized one, sentence-transformers' losses, and a memory probe.
 
-`gradcache.contrastive_loss` never builds the B x N score matrix. Here it must equal, at 1e-6 relative in
-fp32, the plain-autograd loss of tests/references.py that does (values and representation gradients), for
+`gradcache.contrastive_loss` never builds the B x N score matrix. Here it must equal, by references.py's rule
+(as close to the float64 truth as the float32 reference is), the plain-autograd loss of tests/references.py
+that does (values and representation gradients), for
 every combination of direction, hard negatives, similarity and tile shape; equal sentence-transformers'
 MultipleNegativesRankingLoss and MatryoshkaLoss; and a dispatch-mode probe that sees every tensor an
 operation returns proves that no B x N tensor is ever allocated, forward or backward.
@@ -15,14 +16,20 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from references import masked_contrastive_loss, materialized_contrastive_loss, reference_objective
-from test_gradcache import max_relative_difference, random_texts, tiny_sentence_transformer
+from references import (
+    assert_exact,
+    float64,
+    masked_contrastive_loss,
+    materialized_contrastive_loss,
+    parameter_gradients,
+    reference_objective,
+)
+from test_gradcache import random_texts, tiny_sentence_transformer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradcache
 import train
 
-TOLERANCE = 1e-6  # relative, fp32: the same sums in another order
 BATCH = 37  # a prime: no tile size divides it
 WIDTH = 16
 
@@ -38,12 +45,7 @@ def value_and_gradients(loss_fn, reps, **options):
 
 
 def relative_gradient_difference(grads, reference):
-    """max|g - g_ref| / max|g_ref| over the gradients of all representations together.
-
-    One denominator for all columns: a hard-negative column's gradient is several times smaller than the
-    anchors', and divided by its own maximum its fp32 rounding alone reaches 1e-6 (the materialized loss
-    differs from an fp64 one by 1.1e-6 that way on one of these batches).
-    """
+    """max|g - g_ref| / max|g_ref| over the gradients of all representations together."""
     largest = max(float(r.abs().max()) for r in reference)
     return max(float((g - r).abs().max()) for g, r in zip(grads, reference, strict=True)) / largest
 
@@ -55,10 +57,26 @@ def summed_shares(loss_fn, reps, bounds):
     return sum(loss for loss, _ in shares), [sum(g) for g in zip(*[g for _, g in shares], strict=True)]
 
 
-def assert_close(actual, expected, tolerance=TOLERANCE):
-    (loss, grads), (ref_loss, ref_grads) = actual, expected
-    assert abs(float(loss - ref_loss)) <= tolerance * abs(float(ref_loss))
-    assert relative_gradient_difference(grads, ref_grads) <= tolerance
+def references(reference_fn, reps, **options):
+    """The reference's (loss, gradients) in float32 and in float64 (the same representations, cast)."""
+    return value_and_gradients(reference_fn, reps, **options), value_and_gradients(
+        reference_fn, float64(reps), **options
+    )
+
+
+def assert_matches(actual, reference_fn, reps, **options):
+    """references.py's rule, for the loss and for the gradients of every representation together."""
+    (ref_loss, ref_grads), (true_loss, true_grads) = references(reference_fn, reps, **options)
+    assert_exact(actual[0], ref_loss, true_loss, "loss")
+    assert_exact(actual[1], ref_grads, true_grads, "gradients")
+
+
+def assert_fails(actual, reference_fn, reps, **options):
+    """A negative control: the loss or the gradients of a deliberately wrong computation break the rule."""
+    (ref_loss, ref_grads), (true_loss, true_grads) = references(reference_fn, reps, **options)
+    with pytest.raises(AssertionError):
+        assert_exact(actual[0], ref_loss, true_loss, "loss")
+        assert_exact(actual[1], ref_grads, true_grads, "gradients")
 
 
 @pytest.mark.parametrize("tile_size", [5, 64, None], ids=["tile-5", "tile-over-batch", "tile-automatic"])
@@ -69,7 +87,7 @@ def test_tiled_equals_materialized(num_negatives, symmetric, similarity, scale, 
     reps = make_reps(num_negatives)
     options = dict(scale=scale, similarity=similarity, symmetric=symmetric)
     tiled = value_and_gradients(gradcache.contrastive_loss, reps, tile_size=tile_size, **options)
-    assert_close(tiled, value_and_gradients(materialized_contrastive_loss, reps, **options))
+    assert_matches(tiled, materialized_contrastive_loss, reps, **options)
 
 
 @pytest.mark.parametrize("symmetric", [False, True], ids=["one-way", "symmetric"])
@@ -77,7 +95,7 @@ def test_matryoshka_tiled_equals_materialized(symmetric):
     reps = make_reps(2)
     options = dict(symmetric=symmetric, matryoshka_dims=(16, 12, 5), matryoshka_weights=(1.0, 0.5, 2.0))
     tiled = value_and_gradients(gradcache.contrastive_loss, reps, tile_size=7, **options)
-    assert_close(tiled, value_and_gradients(materialized_contrastive_loss, reps, **options))
+    assert_matches(tiled, materialized_contrastive_loss, reps, **options)
 
 
 @pytest.mark.parametrize("matryoshka_dims", [None, (16, 8)], ids=["full", "matryoshka"])
@@ -87,8 +105,12 @@ def test_local_rows_sum_to_the_whole_loss(matryoshka_dims):
     loss_fn = functools.partial(
         gradcache.contrastive_loss, symmetric=True, tile_size=6, matryoshka_dims=matryoshka_dims
     )
-    assert_close(
-        summed_shares(loss_fn, reps, [(0, 13), (13, 30), (30, 37)]), value_and_gradients(loss_fn, reps)
+    assert_matches(
+        summed_shares(loss_fn, reps, [(0, 13), (13, 30), (30, 37)]),
+        materialized_contrastive_loss,
+        reps,
+        symmetric=True,
+        matryoshka_dims=matryoshka_dims,
     )
 
 
@@ -140,9 +162,7 @@ def test_equals_sentence_transformers_multiple_negatives_ranking_loss(symmetric)
     )
     reps = make_reps(2)
     ours = value_and_gradients(gradcache.contrastive_loss, reps, symmetric=symmetric, tile_size=8)
-    assert_close(
-        ours, value_and_gradients(lambda *r: st_loss.compute_loss_from_embeddings(list(r), None), reps)
-    )
+    assert_matches(ours, lambda *r: st_loss.compute_loss_from_embeddings(list(r), None), reps)
 
 
 def test_matryoshka_gradcache_step_equals_sentence_transformers(tmp_path, monkeypatch):
@@ -152,7 +172,7 @@ def test_matryoshka_gradcache_step_equals_sentence_transformers(tmp_path, monkey
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model, words = tiny_sentence_transformer(tmp_path)
     model.eval()  # no dropout: the full-batch reference draws no masks
-    reference = copy.deepcopy(model)
+    references32_64 = copy.deepcopy(model), float64(model)
     columns = [model.preprocess(random_texts(words, 10, seed)) for seed in range(3)]
     dims, weights = (32, 16, 8), (1.0, 0.5, 0.25)
     loss_fn = functools.partial(
@@ -160,11 +180,74 @@ def test_matryoshka_gradcache_step_equals_sentence_transformers(tmp_path, monkey
     )
     report = gradcache.gradcache_step(model, columns, loss_fn, 4)
 
-    st_loss = MatryoshkaLoss(reference, MultipleNegativesRankingLoss(reference), list(dims), list(weights))
-    st_value = st_loss(columns, None)
-    st_value.backward()
-    assert abs(float(report.loss - st_value.detach())) <= TOLERANCE * abs(float(st_value.detach()))
-    assert max_relative_difference([model], [reference]) <= 1e-5
+    losses, gradients = [], []
+    for reference in references32_64:
+        st_loss = MatryoshkaLoss(
+            reference, MultipleNegativesRankingLoss(reference), list(dims), list(weights)
+        )
+        st_value = st_loss(columns, None)
+        st_value.backward()
+        losses.append(st_value.detach())
+        gradients.append(parameter_gradients(reference))
+    assert_exact(report.loss, *losses, "loss")
+    assert_exact(parameter_gradients(model), *gradients, "parameter gradients")
+
+
+# ---- negative controls: a loss off by a little fails the same rule ----
+
+
+@pytest.mark.parametrize("kind", ["dense", "masks", "distillation", "group-only"])
+def test_a_slightly_wrong_loss_fails_the_rule(kind):
+    """One deliberate error per kind of loss, each small: a scale 1 + 1e-4 too large, one planted repeat no
+    longer masked, a temperature 1% off, a group-only loss with a scale 1 + 1e-4 too large. The
+    right loss passes the comparison that the wrong one fails."""
+    reps = reps_with_near_duplicates(2)
+    ids = duplicated_ids(2)
+    teacher = torch.randn(BATCH, 3, generator=torch.Generator().manual_seed(5)) * 3
+    if kind == "dense":
+
+        def loss(*columns, scale=20.0):
+            return gradcache.contrastive_loss(*columns, scale=scale, symmetric=True, tile_size=6)
+
+        right, wrong = loss, functools.partial(loss, scale=20.0 * (1 + 1e-4))
+        reference = functools.partial(materialized_contrastive_loss, symmetric=True)
+    elif kind == "masks":
+        fewer = [column.clone() for column in ids]
+        fewer[1][0] = 10**6  # row 0's positive repeated a hard negative of another row; now a text of its own
+
+        def right(*columns, ids=ids):
+            spec = gradcache.FalseNegatives(ids=ids)
+            return gradcache.contrastive_loss(*columns, tile_size=5, false_negatives=spec)
+
+        wrong = functools.partial(right, ids=fewer)
+
+        def reference(*columns):
+            return masked_contrastive_loss(*columns, ids=ids)[0]
+    elif kind == "distillation":
+
+        def right(*columns, temperature=2.0):
+            return gradcache.contrastive_loss(
+                *columns, teacher_scores=teacher, distill_weight=0.7, distill_temperature=temperature
+            )
+
+        wrong = functools.partial(right, temperature=2.0 * 1.01)
+
+        def reference(*columns):
+            kl = kl_reference(*columns, teacher=teacher, scale=20.0, temperature=2.0, weight=0.7)
+            return materialized_contrastive_loss(*columns) + kl
+    else:
+
+        def right(*columns, scale=20.0):
+            return gradcache.group_loss(*columns, scale=scale).sum() / BATCH
+
+        wrong = functools.partial(right, scale=20.0 * (1 + 1e-4))
+        texts = [[f"{c}-{i}" for i in range(BATCH)] for c in range(len(reps))]
+
+        def reference(*columns):
+            return reference_objective(*columns, texts=texts, in_batch=False)
+
+    assert_matches(value_and_gradients(right, reps), reference, reps)
+    assert_fails(value_and_gradients(wrong, reps), reference, reps)
 
 
 @pytest.mark.parametrize(
@@ -275,7 +358,7 @@ def test_false_negatives_masked_tile_by_tile_equal_the_masked_matrix(by, symmetr
         )
         return loss
 
-    assert_close(tiled, value_and_gradients(reference, reps))
+    assert_matches(tiled, reference, reps)
     assert stats["masked_fraction"] == pytest.approx(reference_stats["masked_fraction"], abs=1e-12)
     assert 0 < stats["masked_fraction"] < 0.05  # the planted repeats and near-duplicates, not the rest
     unmasked = value_and_gradients(gradcache.contrastive_loss, reps, symmetric=symmetric)
@@ -305,7 +388,7 @@ def test_an_anchors_other_positives_are_masked_too(symmetric):
         )
         return loss
 
-    assert_close(tiled, value_and_gradients(reference, reps))
+    assert_matches(tiled, reference, reps)
     assert stats["masked_fraction"] == pytest.approx(fractions["reference"], abs=1e-12)
     without_others = value_and_gradients(loss_fn, reps, false_negatives=gradcache.FalseNegatives(ids=ids))
     assert relative_gradient_difference(tiled[1], without_others[1]) > 1e-3  # they leave the softmax
@@ -316,8 +399,11 @@ def test_masked_local_rows_sum_to_the_whole_masked_loss():
     reps = reps_with_near_duplicates(1)
     spec = gradcache.FalseNegatives(ids=duplicated_ids(1), margin=-0.1)
     loss_fn = functools.partial(gradcache.contrastive_loss, symmetric=True, tile_size=6, false_negatives=spec)
-    assert_close(
-        summed_shares(loss_fn, reps, [(0, 13), (13, 30), (30, 37)]), value_and_gradients(loss_fn, reps)
+    ids, margin = spec.ids, spec.margin
+    assert_matches(
+        summed_shares(loss_fn, reps, [(0, 13), (13, 30), (30, 37)]),
+        lambda *columns: masked_contrastive_loss(*columns, symmetric=True, ids=ids, margin=margin)[0],
+        reps,
     )
 
 
@@ -331,7 +417,7 @@ def kl_reference(anchor, positive, *negatives, teacher, scale, temperature, weig
     total = 0
     for i in range(len(anchor)):
         student = torch.stack([scale * (anchor[i] @ column[i]) for column in candidates]) / temperature
-        p_teacher = torch.softmax(torch.as_tensor(teacher[i]) / temperature, 0)
+        p_teacher = torch.softmax(torch.as_tensor(teacher[i], dtype=student.dtype) / temperature, 0)
         total = total + (p_teacher * (p_teacher.log() - torch.log_softmax(student, 0))).sum()
     return weight * total / len(anchor)
 
@@ -347,9 +433,11 @@ def test_distillation_adds_the_kl_to_the_teacher_over_each_group(temperature):
         kl = kl_reference(*columns, teacher=teacher, scale=20.0, temperature=temperature, weight=0.7)
         return materialized_contrastive_loss(*columns) + kl
 
-    assert_close(distilled, value_and_gradients(reference, reps))
+    assert_matches(distilled, reference, reps)
     loss_fn = functools.partial(gradcache.contrastive_loss, **options)
-    assert_close(summed_shares(loss_fn, reps, [(0, 20), (20, 37)]), distilled)  # each process: its rows
+    assert_matches(
+        summed_shares(loss_fn, reps, [(0, 20), (20, 37)]), reference, reps
+    )  # each process: its rows
 
 
 def test_stats_report_in_batch_accuracy_and_the_loss_of_each_matryoshka_size():
@@ -422,10 +510,7 @@ def test_group_loss_equals_the_reference_and_splits_by_rows(extra, matryoshka_di
             teacher=teacher if extra == "distilled" else None, distill_weight=0.7, temperature=2.0,
         )  # fmt: skip
 
-    whole = value_and_gradients(ours, reps)
-    # 1e-5: a masked group keeps few candidates, its loss LSE - s_0 falls to 1e-2 and its fp32 rounding
-    # (of terms of order 20) to 1e-6 of that.
-    assert_close(whole, value_and_gradients(reference, reps), tolerance=1e-5)
+    assert_matches(value_and_gradients(ours, reps), reference, reps)
     if extra == "masked":
         assert 0 < stats["masked_fraction"] < 1
     chunks = [torch.arange(0, 13), torch.arange(13, 30), torch.arange(30, 37)]
@@ -439,7 +524,7 @@ def test_group_loss_equals_the_reference_and_splits_by_rows(extra, matryoshka_di
             / BATCH
         )
 
-    assert_close(value_and_gradients(by_chunks, reps), whole, tolerance=1e-5)
+    assert_matches(value_and_gradients(by_chunks, reps), reference, reps)
 
 
 # ---- a guide model's scores choose the mask (GIST) ----
@@ -474,5 +559,5 @@ def test_guide_scores_mask_what_the_guide_ranks_above_the_positive(negatives):
             guide_margin=0.05,
         )  # fmt: skip
 
-    assert_close(value_and_gradients(ours, reps), value_and_gradients(reference, reps), tolerance=1e-5)
+    assert_matches(value_and_gradients(ours, reps), reference, reps)
     assert 0 < stats["masked_fraction"] < 0.5
