@@ -23,6 +23,7 @@ from test_train import (
     WORDS,
     build_tiny_model,
     launch,
+    launch_deepspeed,
     max_difference,
     run_main,
     sharded_loader,
@@ -358,7 +359,7 @@ def test_architectures_train_and_save(tmp_path, data, kind, config, flags, monke
     if config == "cpu.yaml":
         run_main(monkeypatch, "--output_dir", tmp_path / "run", *args)
     else:
-        launch(zero3_partitioning_everything(tmp_path), tmp_path / "run", *args, processes=2)
+        launch_deepspeed(zero3_partitioning_everything(tmp_path), tmp_path / "run", *args, processes=2)
     final = tmp_path / "run" / "final"
     trained, initial = weights(final), weights(model)
     if "--lora_r" in flags:

@@ -5,7 +5,6 @@ import itertools
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 import torch
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DeepSpeedPlugin, DistributedType
+from test_train import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"
@@ -77,12 +77,6 @@ CPU_RUNS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("probe") / "probe.py"
@@ -140,8 +134,11 @@ def check_ranks(output: str, expected: str, num_processes: int) -> None:
     # itself would prove nothing): gradients synced, batches sharded, precision and clipping as configured.
     precision = re.search(r"precision=(\w+)", expected)[1]
     reference = reference_checksum(num_processes, precision, deepspeed="type=DEEPSPEED" in expected)
+    # DeepSpeed's bf16 keeps the weights in bf16: another rounding order may leave one of them a bf16 ulp
+    # (2^-8 of a weight near 1) from the reference's; fp32 weights (printed to 6 decimals) agree to 1e-5.
+    tolerance = 2**-7 if precision == "bf16" and "type=DEEPSPEED" in expected else 1e-5
     for rank, _, checksum in results:
-        assert float(checksum) == pytest.approx(reference, abs=1e-5), f"rank {rank} trained otherwise"
+        assert float(checksum) == pytest.approx(reference, abs=tolerance), f"rank {rank} trained otherwise"
 
 
 @pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.name)

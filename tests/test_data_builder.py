@@ -54,7 +54,7 @@ def records(texts) -> dict[str, list[dict]]:
     return {split: [json.loads(line) for line in text.splitlines()] for split, text in texts.items()}
 
 
-def test_rebuild_is_byte_identical(tmp_path):
+def test_rebuild_has_the_same_records(tmp_path):
     if not (WORDNET_DIR / "data.noun").is_file():
         pytest.fail(f"WordNet 3.0 is missing from {WORDNET_DIR}: run `bash setup.sh --dev`")
     builder = DATA_DIR / "build_wordnet.py"
@@ -62,7 +62,9 @@ def test_rebuild_is_byte_identical(tmp_path):
     subprocess.run(command, check=True, capture_output=True)
     for split in SPLITS:
         name = f"wordnet_{split}.jsonl.gz"
-        assert (tmp_path / name).read_bytes() == (DATA_DIR / name).read_bytes(), f"rebuilt {name} differs"
+        # By content: the compressed bytes depend on the zlib build, the records must not.
+        rebuilt, shipped = (gzip.decompress((folder / name).read_bytes()) for folder in (tmp_path, DATA_DIR))
+        assert rebuilt == shipped, f"rebuilt {name} differs"
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,6 @@ import contextlib
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -141,17 +140,12 @@ def test_an_out_of_memory_the_other_processes_cannot_learn_of_says_so():
     assert not raised(OutOfMemoryInForwardWithGrad(nth=3), agree_on_out_of_memory=False)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("case", ["nan", "oom1", "oom3"])
 def test_every_process_takes_the_same_decision(case, tmp_path):
     """Rank 1 alone sees a NaN loss or runs out of memory; both ranks must skip or raise, and neither hang."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
-    command = [*torchrun, f"--master_port={free_port()}", str(TESTS / "guard_worker.py"), case, str(tmp_path)]
+    # --standalone: the rendezvous store binds a port of its own choosing, which no other launch can take
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    command = [*torchrun, str(TESTS / "guard_worker.py"), case, str(tmp_path)]
     environment = {**os.environ, "PYTHONPATH": f"{TESTS.parent}{os.pathsep}{TESTS}", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=180)
     outcomes = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
