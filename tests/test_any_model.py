@@ -253,7 +253,7 @@ def test_a_positive_list_draws_one_per_epoch_seeded():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Two files in another repo: no bundled model, no DeepSpeed, no wandb
+# Three files in another repo: no bundled model, no DeepSpeed, no wandb
 # ---------------------------------------------------------------------------------------------------------
 
 
