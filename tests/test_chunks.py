@@ -1,8 +1,10 @@
 """Chunks by token budget, texts tokenized chunk by chunk, left padding trimmed: exact, and doing as they say.
 
 References never run gradcache_step: plain autograd on the whole batch, tokenized as a whole by
-sentence-transformers. Where two gradcache paths must give the same inputs (per-chunk tokenization against
-the batch tokenized once and trimmed), the gradients must be bitwise equal.
+sentence-transformers, through copies of the model in float32 and in float64 and references.py's materialized
+loss; the run passes by references.py's rule (as close to float64 as the float32 reference). Where two
+gradcache paths must give the same inputs (per-chunk tokenization against the batch tokenized once and
+trimmed), the gradients must be bitwise equal.
 """
 
 import copy
@@ -12,13 +14,13 @@ import types
 import pytest
 import torch
 from accelerate import DistributedType
+from references import materialized_contrastive_loss
 from test_gradcache import (
     MAX_LEN,
-    TOLERANCE,
     VOCAB,
     CountingEncoder,
     TinyEncoder,
-    max_relative_difference,
+    assert_gradients_exact,
     unchunked_reference,
 )
 from test_train import WORDS, build_tiny_model
@@ -142,7 +144,6 @@ PROMPTS = {"query": "w1 w2", "document": "w3"}  # words of the tiny vocabulary
 
 def test_chunk_tokens_on_text_columns_is_exact_against_the_full_batch(tiny_model_folders, accelerator):
     model = load(tiny_model_folders[0])
-    reference = copy.deepcopy(model)
     columns = [random_texts(24, seed) for seed in range(3)]
     budget = 60
 
@@ -152,13 +153,14 @@ def test_chunk_tokens_on_text_columns_is_exact_against_the_full_batch(tiny_model
     report = train.gradient_cache_step(
         accelerator, counted, model, NO_PROMPTS, loss_fn, args, batch, {"chunk_tokens": budget}
     )
-    ref_loss = gradcache.contrastive_loss(
-        *[reference(reference.preprocess(texts))["sentence_embedding"] for texts in columns]
-    )
-    ref_loss.backward()
 
-    assert max_relative_difference([model], [reference]) <= TOLERANCE
-    assert abs(float(report.loss - ref_loss.detach())) <= 1e-5
+    def reference(copies, cast):
+        (reference,) = copies  # the whole batch tokenized at once by sentence-transformers
+        return unchunked_reference(
+            copies * 3, [reference.preprocess(texts) for texts in columns], materialized_contrastive_loss
+        )
+
+    assert_gradients_exact([model], reference, report.loss, f"chunk_tokens {budget}")
     assert all(examples * width <= budget or examples == 1 for examples, width in counted.shapes)
     assert len({width for _, width in counted.shapes}) > 2  # each chunk padded to its own longest
     assert len({examples for examples, _ in counted.shapes}) > 2  # chunks sized by their texts
@@ -215,11 +217,13 @@ def test_left_padding_is_trimmed_per_chunk_and_stays_exact():
     columns = [left_padded_column(lengths, seed) for seed in range(2)]
     torch.manual_seed(0)
     encoder = CountingEncoder(TinyEncoder(dropout=0.0))
-    reference = copy.deepcopy(encoder.encoder)
-    gradcache.gradcache_step(encoder, columns, chunk_size=2)
-    unchunked_reference([reference] * 2, columns, gradcache.contrastive_loss)
+    report = gradcache.gradcache_step(encoder, columns, chunk_size=2)
     assert [width for _, width in encoder.calls[:5]] == [9, 8, 3, 2, 1]  # each chunk its own longest
-    assert max_relative_difference([encoder.encoder], [reference]) <= TOLERANCE
+
+    def reference(copies, cast):
+        return unchunked_reference(copies * 2, columns, materialized_contrastive_loss)
+
+    assert_gradients_exact([encoder.encoder], reference, report.loss, "left padding trimmed")
 
 
 def test_a_trimmed_left_padded_chunk_is_what_tokenizing_its_texts_alone_gives(tiny_model_folders):
@@ -244,7 +248,6 @@ def test_out_of_memory_with_chunk_tokens_names_half_the_budget_and_train_halves_
     columns = [left_padded_column(lengths, seed) for seed in range(2)]
     torch.manual_seed(0)
     encoder = OutOfMemoryAbove(TinyEncoder(dropout=0.0), limit=20)
-    reference = copy.deepcopy(encoder.encoder)
     with pytest.raises(gradcache.ChunkOutOfMemory) as raised:
         gradcache.gradcache_step(encoder, columns, chunk_tokens=36)
     assert "a chunk of up to 36 padded tokens ran out of memory" in str(raised.value)
@@ -264,12 +267,16 @@ def test_out_of_memory_with_chunk_tokens_names_half_the_budget_and_train_halves_
     with pytest.raises(SystemExit, match="Relaunch with --chunk_tokens 18, or add --auto_chunk_size"):
         train.step_with_back_off(step, columns, {"chunk_tokens": 36}, args, accelerator, optimizer)
     args.auto_chunk_size = True
-    _, chunking = train.step_with_back_off(step, columns, {"chunk_tokens": 36}, args, accelerator, optimizer)
+    report, chunking = train.step_with_back_off(
+        step, columns, {"chunk_tokens": 36}, args, accelerator, optimizer
+    )
     assert chunking == {"chunk_tokens": 18}  # never more than 18 padded tokens: fits
     assert "out of memory with --chunk_tokens 36: redoing the batch with 18" in capsys.readouterr().out
 
-    unchunked_reference([reference] * 2, columns, gradcache.contrastive_loss)
-    assert max_relative_difference([encoder.encoder], [reference]) <= TOLERANCE
+    def reference(copies, cast):  # the weights are the initial ones: the optimizer's rate is 0
+        return unchunked_reference(copies * 2, columns, materialized_contrastive_loss)
+
+    assert_gradients_exact([encoder.encoder], reference, report.loss, "redone with chunk_tokens 18")
 
 
 def test_train_takes_chunk_size_or_chunk_tokens_not_both():
