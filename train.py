@@ -1350,7 +1350,8 @@ def teacher_scores(args, accelerator, batch):
     scores = torch.stack(list(scores), dim=1) if isinstance(scores, list) else scores
     scores = scores.to(accelerator.device, torch.float32)
     if args.cross_process_negatives and accelerator.num_processes > 1:
-        scores = accelerator.gather(scores)
+        # not accelerator.gather: it needs as many rows on every process, and uneven batches have not
+        scores = torch.cat(gradcache.gather_from_all_processes(scores))
     return scores
 
 
@@ -1363,7 +1364,8 @@ def false_negatives(args, accelerator, batch, known_positives, guide=None):
     spans_processes = args.cross_process_negatives and accelerator.num_processes > 1
 
     def gather(local):
-        return accelerator.gather(local) if spans_processes else local  # as many rows on every process
+        # not accelerator.gather, which needs as many rows on every process: uneven batches have not
+        return torch.cat(gradcache.gather_from_all_processes(local)) if spans_processes else local
 
     options = dict(
         margin=args.false_negative_margin, relative=args.false_negative_margin_strategy == "relative"
