@@ -1,24 +1,19 @@
-"""The data of train.py: training pairs read and checked, their batches, and the dev set. The seam a
-researcher replaces with their own data pipeline: train.py calls only what is listed here.
+"""The data of train.py: training pairs read and checked, their batches, and the dev set. The seam to replace
+with your own data pipeline: train.py calls only these.
 
-    load_pairs(source, columns, skip_bad_records, max_text_chars, say, flag, teacher_scores)
-        -> (datasets.Dataset, records skipped). Any --data form (locate_data): a .jsonl, .json, .csv, .tsv
-        or .parquet file (optionally .gz), a folder or glob of them, a save_to_disk folder, a hub data set.
-        Its columns: anchor, positive (a text, or a list of texts), negative_1, negative_2...; with
-        teacher_scores also positive_scores and negative_scores.
-    locate_data(source, flag) -> (kind, where, split): where a --data or --dev_data value points, checked.
-    load_beir(folder, split, say) -> (queries, corpus, relevant docs) of a BEIR folder.
-    role_fields(columns, available) -> [(role, field)]: --columns read (train.py checks the flag with it).
-    make_loader(train_sets, order, names) -> the training DataLoader of one or more sources, in the
-        BatchOrder `order`; its sampler's set_epoch orders each epoch. A batch is {column: texts}, with
-        teacher_scores where the data has them and SOURCE_COLUMN, the source's number, with several.
-    text_columns(column_names) -> the columns of texts of a data set or a batch, in order.
-    build_evaluator(dev, num_queries, prompts) -> the dev set's InformationRetrievalEvaluator.
-    is_hub_name(name), hub_out_of_reach() -> whether a name, and the hub, can be reached (for --model too).
+    load_pairs(source, columns, ...) -> (datasets.Dataset, records skipped), from any --data form: a .jsonl,
+        .json, .csv, .tsv or .parquet file (optionally .gz), a folder or glob of them, a save_to_disk folder,
+        a hub data set. Columns: anchor, positive (a text or a list), negative_1..., [positive_scores,
+        negative_scores]. locate_data(source, flag) checks where a --data or --dev_data value points.
+    load_beir(folder, split, say) -> (queries, corpus, relevant docs); build_evaluator(dev, num_queries,
+        prompts) -> the dev set's InformationRetrievalEvaluator.
+    make_loader(train_sets, BatchOrder, names) -> the training DataLoader; set_epoch orders each epoch. A
+        batch: {column: texts}, teacher_scores with a teacher's, SOURCE_COLUMN with several sources.
+    role_fields(columns, available) reads --columns; text_columns(names) the text columns, in order;
+        is_hub_name(name) and hub_out_of_reach() say whether the hub can serve a name (--model's too).
 
-Every problem with the data raises DataError, whose message says where and what to do: train.py prints it
-as its one-line failure. Nothing here imports accelerate or reads train.py's flags: what it needs comes as
-arguments, or as one BatchOrder.
+A problem with the data raises DataError, its message the place and what to do: train.py prints it as its
+one-line failure. Nothing here imports accelerate or reads train.py's flags.
 """
 
 import collections
@@ -43,21 +38,12 @@ import torch
 from sentence_transformers.base.sampler import NoDuplicatesBatchSampler
 from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
+# fmt: off
 __all__ = [
-    "SOURCE_COLUMN",
-    "BatchOrder",
-    "DataError",
-    "PositiveDraws",
-    "build_evaluator",
-    "hub_out_of_reach",
-    "is_hub_name",
-    "load_beir",
-    "load_pairs",
-    "locate_data",
-    "make_loader",
-    "role_fields",
-    "text_columns",
+    "SOURCE_COLUMN", "BatchOrder", "DataError", "PositiveDraws", "build_evaluator", "hub_out_of_reach",
+    "is_hub_name", "load_beir", "load_pairs", "locate_data", "make_loader", "role_fields", "text_columns",
 ]
+# fmt: on
 
 
 class DataError(ValueError):
