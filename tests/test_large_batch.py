@@ -6,7 +6,6 @@ tests/test_loss.py, and every feature across processes and backends in tests/tes
     .venv/bin/python -m pytest -q tests/test_large_batch.py
 """
 
-import copy
 import functools
 import importlib.util
 import json
@@ -16,7 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 from references import reference_objective
-from test_gradcache import max_relative_difference, random_texts, tiny_sentence_transformer
+from test_gradcache import (
+    assert_gradients_exact,
+    assert_gradients_inexact,
+    random_texts,
+    tiny_sentence_transformer,
+)
 from test_train import fails_with
 
 import gradcache
@@ -114,15 +118,13 @@ def test_teacher_scores_must_match_the_texts(tmp_path, capsys):
 GROUP_CHUNKINGS = {"size": {"chunk_size": 3}, "tokens": {"chunk_tokens": 40}, "one-row": {"chunk_size": 1}}
 
 
-@pytest.mark.parametrize("chunking", GROUP_CHUNKINGS.values(), ids=GROUP_CHUNKINGS.keys())
-def test_group_step_equals_plain_autograd_without_a_second_forward(tmp_path, chunking):
-    """Without in-batch negatives each chunk of rows is back-propagated as it is encoded: the parameter
-    gradients equal plain autograd's on the whole batch (tests/references.py), and no chunk is encoded
-    without grad. Each column's texts of a chunk go through gradcache.GROUP_FORWARDS forwards, longest
-    first, and back into row order; a chunk of one row encodes it again, weighed 0 ("one-row")."""
+def group_step_and_reference(tmp_path, chunking, temperature=2.0):
+    """group_step on a tiny sentence-transformers model with masks (ids, margin 0) and a teacher (weight 0.5,
+    temperature 2): (model, report, stats, calls, columns, reference), `reference` for test_gradcache's
+    full_batch_references: plain autograd on the whole batch with references.py's reference_objective.
+    `temperature`: the run's distillation temperature (a negative control sets it off)."""
     model, words = tiny_sentence_transformer(tmp_path)
     model.eval()  # no dropout: plain autograd draws no masks
-    reference = copy.deepcopy(model)
     texts = [random_texts(words, 10, seed) for seed in range(3)]
     texts[2][4] = texts[1][4]  # a hard negative that is its own row's positive: masked
     teacher = torch.randn(10, 2, generator=torch.Generator().manual_seed(0)) * 3
@@ -130,7 +132,7 @@ def test_group_step_equals_plain_autograd_without_a_second_forward(tmp_path, chu
     stats = {}
     loss_fn = functools.partial(
         gradcache.group_loss, false_negatives=gradcache.FalseNegatives(ids=ids, margin=0.0), stats=stats,
-        teacher_scores=teacher, distill_weight=0.5, distill_temperature=2.0,
+        teacher_scores=teacher, distill_weight=0.5, distill_temperature=temperature,
     )  # fmt: skip
     calls = []
 
@@ -140,23 +142,43 @@ def test_group_step_equals_plain_autograd_without_a_second_forward(tmp_path, chu
 
     columns = [model.preprocess(column) for column in texts]
     report = gradcache.group_step(encoder, columns, loss_fn, **chunking)
-
-    reps = [reference(dict(features))["sentence_embedding"] for features in columns]
     positives_of = {anchor: {positive} for anchor, positive in zip(texts[0], texts[1], strict=True)}
-    expected = reference_objective(
-        *reps, texts=texts, in_batch=False, positives_of=positives_of, margin=0.0, teacher=teacher,
-        distill_weight=0.5, temperature=2.0,
-    )  # fmt: skip
-    expected.backward()
-    loss_error = abs(float(report.loss - expected.detach())) / abs(float(expected.detach()))
-    gradient_error = max_relative_difference([model], [reference])
-    print(f"loss {loss_error:.1e}, gradients {gradient_error:.1e}, masked {stats['masked_fraction']:.2f}")
-    assert loss_error <= 1e-5 and gradient_error <= 1e-5
+
+    def reference(copies, cast):
+        (copied,) = copies
+        reps = [copied(dict(features))["sentence_embedding"] for features in columns]
+        expected = reference_objective(
+            *reps, texts=texts, in_batch=False, positives_of=positives_of, margin=0.0, teacher=cast(teacher),
+            distill_weight=0.5, temperature=2.0,
+        )  # fmt: skip
+        expected.backward()
+        return expected.detach()
+
+    return model, report, stats, calls, columns, reference
+
+
+@pytest.mark.parametrize("chunking", GROUP_CHUNKINGS.values(), ids=GROUP_CHUNKINGS.keys())
+def test_group_step_equals_plain_autograd_without_a_second_forward(tmp_path, chunking):
+    """Without in-batch negatives each chunk of rows is back-propagated as it is encoded: the parameter
+    gradients and the loss equal plain autograd's on the whole batch (tests/references.py, by its rule), and
+    no chunk is encoded without grad. Each column's texts of a chunk go through gradcache.GROUP_FORWARDS
+    forwards, longest first, and back into row order; a chunk of one row encodes it again, weighed 0
+    ("one-row")."""
+    model, report, stats, calls, columns, reference = group_step_and_reference(tmp_path, chunking)
+    assert_gradients_exact([model], reference, report.loss, f"group step {chunking}")
+    print(f"masked {stats['masked_fraction']:.2f}")
     assert all(calls) and len(calls) == report.num_chunks > 3 and report.num_reencoded == 0
     if "chunk_size" in chunking:  # every column of every chunk of rows in GROUP_FORWARDS forwards
         chunks = math.ceil(10 / chunking["chunk_size"])
         assert report.num_chunks == chunks * len(columns) * gradcache.GROUP_FORWARDS
     assert stats["masked_fraction"] > 0
+
+
+def test_group_step_with_the_distillation_temperature_off_by_one_percent_fails_the_rule(tmp_path):
+    """The negative control of the group-only step and of distillation: the run's temperature 2.02, the
+    reference's 2."""
+    model, _, _, _, _, reference = group_step_and_reference(tmp_path, {"chunk_size": 3}, temperature=2.02)
+    assert_gradients_inexact([model], reference, "distillation temperature off by 1%")
 
 
 def test_a_run_with_every_large_batch_flag_trains_and_logs_the_masked_fraction(tmp_path, monkeypatch):
