@@ -15,8 +15,8 @@ import sys
 import datasets
 import pytest
 import torch
-from references import StageOneRecorder
-from test_gradcache import max_relative_difference
+from references import StageOneRecorder, assert_exact, float64, materialized_contrastive_loss
+from test_gradcache import assert_gradients_exact, assert_gradients_inexact
 from test_train import (
     CONFIGS,
     REPO,
@@ -35,7 +35,6 @@ from test_train import (
 import pairs
 import train
 
-TOLERANCE = 1e-5
 COLUMNS = ("anchor", "positive", "negative_1")
 
 # ---------------------------------------------------------------------------------------------------------
@@ -86,7 +85,8 @@ def test_each_architecture_is_exact_with_dropout(tmp_path, name):
         )
     if "prompts-excluded" in name:
         model[1].include_prompt = False  # sentence-transformers' Pooling skips the prompt's tokens
-    # The reference: the same weights without gradient checkpointing, back-propagated through one graph.
+    # The reference: the same weights without gradient checkpointing, back-propagated through one graph, in
+    # float32 and in float64 (copies of it), with references.py's materialized loss.
     reference = trained_as(folder, [f for f in flags if f != "--gradient_checkpointing"])[0]
     reference.load_state_dict(model.state_dict())
     reference[1].include_prompt = model[1].include_prompt
@@ -108,18 +108,25 @@ def test_each_architecture_is_exact_with_dropout(tmp_path, name):
     torch.manual_seed(1)
     recorder = StageOneRecorder()
     report = recorder.step(None if towers else model, columns, loss_fn, 3, encode_group=towers)
-    ref_encoders = [reference] * len(COLUMNS)
-    if towers:
-        tasks = ["query" if column == "anchor" else "document" for column in COLUMNS]
-        ref_encoders = [functools.partial(reference, task=task) for task in tasks]
-    ref_loss = recorder.replay(ref_encoders, loss_fn)
-    difference = max_relative_difference([model], [reference])
-    print(f"{name}: max relative gradient difference {difference:.2e}")
+    reference_loss = functools.partial(
+        materialized_contrastive_loss,
+        scale=loss_fn.keywords["scale"],
+        similarity=loss_fn.keywords["similarity"],
+        symmetric=True,
+    )
+
+    def replayed(copies, cast):
+        (copied,) = copies
+        encoders = [copied] * len(COLUMNS)
+        if towers:
+            tasks = ["query" if column == "anchor" else "document" for column in COLUMNS]
+            encoders = [functools.partial(copied, task=task) for task in tasks]
+        return recorder.replay(encoders, reference_loss)
+
     if name.startswith("negative-control"):
-        assert difference > 100 * TOLERANCE
+        assert_gradients_inexact([model], replayed, name, reference_modules=[reference])
         return
-    assert difference <= TOLERANCE
-    assert abs(float(report.loss - ref_loss)) <= 1e-5
+    assert_gradients_exact([model], replayed, report.loss, name, reference_modules=[reference])
 
 
 def test_model_prompts_are_the_default_and_flags_override(tmp_path):
@@ -160,9 +167,13 @@ def test_the_evaluator_encodes_with_the_prompts_of_training(tmp_path, flags):
     ):
         # sentence-transformers' own path: encode_query / encode_document with the evaluator's prompt
         evaluated = evaluator.embed_inputs(model, texts, encode_fn_name=task, prompt=prompt)
-        with torch.no_grad():
-            trained = model(train.tokenize(model, texts, column, prompts))["sentence_embedding"]
-        assert torch.allclose(evaluated.cpu(), trained, atol=1e-6), (task, prompt)
+        with torch.no_grad():  # in float32 and in float64: references.py's rule
+            trained, truth = (
+                encoder(train.tokenize(encoder, texts, column, prompts))["sentence_embedding"]
+                for encoder in (model, float64(model))
+            )
+        measured = assert_exact(evaluated.cpu(), trained, truth, f"{task} with prompt {prompt!r}")
+        print(f"{task}, prompt {prompt!r}: {measured}")
 
 
 class BatchNormHead(torch.nn.Module):

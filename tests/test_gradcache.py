@@ -120,10 +120,12 @@ def full_batch_references(modules, reference):
     return results
 
 
-def assert_gradients_exact(modules, reference, loss=None, what="gradients"):
+def assert_gradients_exact(modules, reference, loss=None, what="gradients", reference_modules=None):
     """references.py's rule (assert_exact) for the parameter gradients of every module together, and for the
-    loss if given; `reference` as for full_batch_references. Returns the gradients' Exactness."""
-    (loss32, grads32), (loss64, grads64) = full_batch_references(modules, reference)
+    loss if given; `reference` as for full_batch_references, on copies of `reference_modules` (modules of the
+    same parameters and initial weights, built otherwise) or else of `modules`. Returns the gradients'
+    Exactness."""
+    (loss32, grads32), (loss64, grads64) = full_batch_references(reference_modules or modules, reference)
     measured = assert_exact(parameter_gradients(*modules), grads32, grads64, what)
     if loss is not None:
         print(f"{what}, loss: {assert_exact(loss, loss32, loss64, f'{what}, loss')}")
@@ -131,9 +133,9 @@ def assert_gradients_exact(modules, reference, loss=None, what="gradients"):
     return measured
 
 
-def assert_gradients_inexact(modules, reference, what):
+def assert_gradients_inexact(modules, reference, what, reference_modules=None):
     """A negative control: the parameter gradients of a deliberately wrong step fail the same rule."""
-    (_, grads32), (_, grads64) = full_batch_references(modules, reference)
+    (_, grads32), (_, grads64) = full_batch_references(reference_modules or modules, reference)
     print(f"{what}: {assert_inexact(parameter_gradients(*modules), grads32, grads64, what)}")
 
 
