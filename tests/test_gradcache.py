@@ -80,22 +80,6 @@ def unchunked_reference(encoders, columns, loss_fn):
     return loss.detach()
 
 
-def max_relative_difference(modules, reference_modules):
-    """Max over parameters of max|g - g_ref| / max|g_ref| (with a floor of 1% of the largest gradient).
-    Kept only for the test files not yet on references.py's rule."""
-    pairs = []
-    for module, reference in zip(modules, reference_modules, strict=True):
-        for (name, p), (_, q) in zip(module.named_parameters(), reference.named_parameters(), strict=True):
-            assert (p.grad is None) == (q.grad is None), f"{name}: one of the two has no gradient"
-            if q.grad is not None:
-                pairs.append((p.grad, q.grad))
-    floor = 1e-2 * max(float(q.abs().max()) for _, q in pairs)
-    return max(float((p - q).abs().max()) / max(float(q.abs().max()), floor) for p, q in pairs)
-
-
-TOLERANCE = 1e-5  # only for the test files not yet on references.py's rule
-
-
 def reference_copies(modules, dtype):
     """Copies of the run's modules (one deepcopy of the list: modules shared in it stay shared), cast to
     `dtype`, without gradients. A gradcache step leaves the weights as they were, so these are the initial
