@@ -22,39 +22,34 @@ activations but no other example. So one training step is:
 
 The parameter gradients equal those of the full batch; peak memory is one chunk's activations. Stage 2
 never holds the B x N score matrix either: `contrastive_loss` computes it tile by tile with a running
-log-sum-exp and recomputes the tiles in its backward (Inf-CL, Cheng et al. 2024), so its memory is the
-representations and one tile; across processes each process computes only its own rows. Two
-refinements cost nothing in exactness: the chunk encoded last in stage 1 keeps its graph and is
-back-propagated directly (N chunks cost N - 1 re-encodings), and examples are grouped into chunks by
-length so a chunk pays for its own longest text, not the batch's (`Refinements`). Chunks can hold a
-fixed number of examples (`chunk_size`) or as many as fit in a budget of padded tokens (`chunk_tokens`),
-so that peak memory follows the budget whatever the texts; columns of raw texts are tokenized chunk by
-chunk (`tokenize_per_chunk`), never padded as a whole batch. With several processes, all of them agree
-on one plan before stage 1 (`plan_step`): ZeRO-2 and ZeRO-3 communicate in every pass, so every process
-must run the same passes, whatever its texts. Without in-batch negatives the loss is a sum of per-row
-terms and needs no cache: `group_step` back-propagates each chunk of rows as it is encoded.
+log-sum-exp and recomputes the tiles in its backward (Inf-CL, Cheng et al. 2024); across processes each
+process computes only its own rows. The chunk encoded last in stage 1 keeps its graph (N chunks cost
+N - 1 re-encodings), and chunks group examples of similar length (`Refinements`). A chunk holds
+`chunk_size` examples or as many as fit in `chunk_tokens` padded tokens; raw texts are tokenized chunk by
+chunk (`tokenize_per_chunk`). All processes agree on one plan (`plan_step`): under ZeRO-2 and ZeRO-3
+every pass is a collective. Without in-batch negatives the loss is a sum of per-row terms and needs no
+cache: `group_step` back-propagates each chunk of rows as it is encoded.
 
 Two guards keep a long run safe. A loss or representation gradient that is not finite is found after
-stage 2, before any backward: nothing is back-propagated and the report says `skipped`, so the trainer
-does not step. A chunk that runs out of memory raises `ChunkOutOfMemory`, naming a chunk size that fits.
-With several processes, every process takes the same decision (a one-number all-reduce), so no process is
-left waiting in a collective the others never reach. A process that runs out of memory inside a collective
-pass (the backward that synchronizes, any pass under ZeRO-3) cannot tell the others: its error says
-`agreed=False`, and the trainer must end the job.
+stage 2: nothing is back-propagated and the report says `skipped`. A chunk that runs out of memory raises
+`ChunkOutOfMemory`, naming a chunk size that fits; every process takes the same decision (a one-number
+all-reduce), except inside a collective pass (the synchronizing backward, any pass under ZeRO-3), where
+the error says `agreed=False` and the trainer must end the job.
 
-This file depends on torch alone. The training framework enters through two arguments of
-`gradcache_step`: `backward(surrogate)` (e.g. `accelerator.backward`, which applies the fp16 loss scale
-once and, under DeepSpeed, steps the optimizer) and `sync_context(is_last)` (which lets only the last
-backward of the batch synchronize gradients across processes). `accelerate_sync_context` builds the
-latter for Hugging Face accelerate without importing it.
+Torch alone: the framework enters through `backward(surrogate)` (e.g. `accelerator.backward`: the fp16
+loss scale, DeepSpeed's step) and `sync_context(is_last)` (only the batch's last backward synchronizes;
+`accelerate_sync_context` builds it for Hugging Face accelerate without importing it).
 
-The file reads in the order of the step: `gradcache_step`, an outline; its three stages; what they rest
-on (the refinements, the chunk plan, inputs and per-chunk tokenization, RNG replay, the exchange between
-processes and the out-of-memory protocol, the checks); the loss of stage 2, tiled; the accelerate adapter.
+Part I, the step: the outlines `gradcache_step` and `group_step`, their one prologue and one loop of
+backward passes, the three stages, then what they rest on (refinements, the chunk plan, inputs, RNG
+replay, processes and out of memory, checks, the accelerate adapter). Part II, the loss of stage 2:
+`contrastive_loss` and `group_loss` on one skeleton (normalize, Matryoshka sizes, distillation), their
+own terms, the masks of false negatives, the tiles.
 """
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -64,9 +59,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-# ---------------------------------------------------------------------------------------------------------
-# The step: an outline of the three stages
-# ---------------------------------------------------------------------------------------------------------
+__all__ = ["gradcache_step", "group_step", "StepReport", "ChunkOutOfMemory", "refinements"]
+__all__ += [
+    "contrastive_loss",
+    "group_loss",
+    "FalseNegatives",
+    "accelerate_sync_context",
+    "tokenize_per_chunk",
+]
+# Parts that train.py, tests/ and bench/ call or replace on their own.
+__all__ += ["select_examples", "plan_chunks", "plan_step", "GROUP_FORWARDS", "check_examples_independent"]
+__all__ += ["cache_representation_gradients", "backpropagate_cache", "check_loss_takes_local_rows"]
+__all__ += ["gather_from_all_processes", "largest_on_any_process", "any_process", "collective_device"]
+
+
+# =========================================================================================================
+# Part I. The step
+# =========================================================================================================
 
 
 @dataclasses.dataclass
@@ -99,56 +108,41 @@ def gradcache_step(
 
     encoders:     one callable shared by all columns, or one per column (query and document towers),
                   called on one chunk's input. None with `encode_group`.
-    encode_group: instead of `encoders`, one callable for a whole group: `encode_group(inputs, columns)`,
-                  with a list of chunk inputs and their column indices, returns their outputs. Towers under
-                  DDP need it: each DDP forward searches its own output for the parameters it used, so
-                  one backward must follow one forward that ran every tower. Groups are then those of
-                  separate towers (one chunk of every column).
-    columns:      the batch, one entry per text column (anchor, positive, hard negatives...), each a
-                  sentence-transformers features dict, a tensor, or what `select` understands (a list of
-                  texts with `select=tokenize_per_chunk(...)`).
+    encode_group: instead, `encode_group(inputs, columns)` encodes a group's chunk inputs (of those column
+                  indices) in one call. DDP towers need it: one backward must follow one forward that ran
+                  every tower. Groups are then one chunk of every column.
+    columns:      the batch, one entry per text column (anchor, positive, hard negatives...): a
+                  sentence-transformers features dict, a tensor, or what `select` understands.
     loss_fn:      loss(*reps) -> scalar on the full batch of representations, in column order. Under
                   cross-process negatives it is called as loss(*global_reps, local_rows=slice) and
-                  returns this process's share (`contrastive_loss` explains); a loss_fn without a
-                  `local_rows` argument is refused there. None: `contrastive_loss`.
+                  returns this process's share (a loss_fn without `local_rows` is refused there). None:
+                  `contrastive_loss`.
     chunk_size:   examples per chunk, an int or one per column; need not divide the batch. 32 by default.
     chunk_tokens: instead of chunk_size, padded tokens per chunk (an int or one per column): a chunk takes
-                  as many examples, longest first, as fit, so its memory follows the budget, not the
-                  batch's longest text. An example longer than the budget is a chunk of its own.
+                  as many examples, longest first, as fit. An example longer than the budget is alone.
     lengths:      tokens per example, one sequence per column (or None): orders the chunks by length and
                   counts their tokens. Default: from a features dict's attention mask.
     select:       select(column, index) -> the encoder's input for those examples; one callable or one
                   per column (e.g. `tokenize_per_chunk` with each column's prompt). None: `select_examples`.
-    get_rep:      an encoder's output -> the representation. None: a sentence-transformers output's
-                  "sentence_embedding" (`sentence_embedding`), or the output itself.
+    get_rep:      an encoder's output -> the representation. None: `sentence_embedding`.
     backward:     called once per chunk on a surrogate scalar: `accelerator.backward` under accelerate.
     sync_context: `sync_context(is_last)` is entered around the forward and backward of each chunk that
-                  is back-propagated; only the last chunk of the batch gets `is_last=True`. See
-                  `accelerate_sync_context`.
-    cross_process_negatives: contrast each example with the representations of every process, with
-                  the parameter gradients of one process computing the global batch (assumes the
-                  backend averages gradients over processes, as DDP, FSDP and DeepSpeed do). Each
-                  process computes only its own rows of the loss (`global_batch_gradients`).
-    agree_on_out_of_memory: let every process learn of an out-of-memory before the next collective, so
-                  that all raise `ChunkOutOfMemory` together. False where the passes are collectives
-                  themselves (DeepSpeed ZeRO-3 gathers parameters in every forward, ZeRO-2/3 reduce in every
-                  backward): the process that ran out then raises at once, unagreed. An out-of-memory in the
-                  backward that synchronizes is never agreed on: the others are already in its all-reduce.
+                  is back-propagated; only the batch's last gets `is_last=True` (`accelerate_sync_context`).
+    cross_process_negatives: contrast each example with every process's representations; the gradients
+                  are those of the global batch where the backend averages over processes (DDP, FSDP,
+                  DeepSpeed). Each process computes only its own rows (`global_batch_gradients`).
+    agree_on_out_of_memory: every process learns of an out-of-memory before the next collective, and all
+                  raise `ChunkOutOfMemory` together. False where every pass is a collective (DeepSpeed
+                  ZeRO-2/3): the process that ran out raises at once, unagreed.
     """
-    columns = list(columns)
-    loss_fn = loss_fn or contrastive_loss
-    encoders = [encode_group] * len(columns) if encode_group is not None else encoders
-    encoders = list(encoders) if isinstance(encoders, Sequence) else [encoders] * len(columns)
-    limits, by_tokens = chunk_limits(chunk_size, chunk_tokens, len(columns))
-    lengths = [None] * len(columns) if lengths is None else list(lengths)
-    check_step_arguments(encoders, columns, limits, by_tokens, lengths, allow_batch_mixing)
-    check_loss_takes_local_rows(loss_fn, cross_process_negatives)
-    together = encode_group is not None or len({id(encoder) for encoder in encoders}) > 1
-    groups = plan_step(columns, limits, by_tokens, lengths, together)
-    encode = group_encoder(
-        columns, encoders, encode_group, select or select_examples, get_rep or sentence_embedding
+    columns, loss_fn = list(columns), loss_fn or contrastive_loss
+    chunking = chunk_limits(chunk_size, chunk_tokens, len(columns))
+    lengths, encode, together = prepare_step(
+        encoders, columns, chunking, lengths, select, get_rep, encode_group, allow_batch_mixing
     )
-    out_of_memory = OutOfMemory(agree_on_out_of_memory, limits, by_tokens)
+    check_loss_takes_local_rows(loss_fn, cross_process_negatives)
+    groups = plan_step(columns, *chunking, lengths, together)
+    out_of_memory = OutOfMemory(agree_on_out_of_memory, *chunking)
 
     # The last group keeps its graph from stage 1 to stage 3, and its sync context stays open as long.
     with contextlib.ExitStack() as kept_sync:
@@ -158,30 +152,135 @@ def gradcache_step(
 
         loss, rep_grads = cache_representation_gradients(loss_fn, cache, cross_process_negatives)
         reencoded = groups[:-1] if kept is not None else groups
-        report = StepReport(
-            loss=loss,
-            num_chunks=sum(map(len, groups)),
-            num_reencoded=sum(map(len, reencoded)),
-            rep_grad_norm=float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in rep_grads]))),
-        )
-        finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(g).all()) for g in rep_grads)
-        if any_process(not finite):
-            report.skipped = True  # an optimizer step on these gradients would poison the weights
+        report = stage_two_report(loss, rep_grads, groups, reencoded)
+        if report.skipped:
             return report
 
         if kept is not None:  # back-propagated first, while its graph is alive: one group's activations
             with out_of_memory.watch(collective=len(groups) == 1):
                 backpropagate_cache(groups[-1], kept, rep_grads, backward)
             kept = None
-    reencode_and_backpropagate(
-        reencoded, rng_states, encode, rep_grads, backward, sync_context, out_of_memory
-    )
+    reencode = functools.partial(reencode_and_backpropagate, rng_states, encode, rep_grads, backward)
+    backpropagate_in_turn(reencoded, reencode, sync_context, out_of_memory)
     return report
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The three stages
-# ---------------------------------------------------------------------------------------------------------
+def group_step(
+    encoders,
+    columns: Sequence,
+    loss_fn: Callable,
+    chunk_size=None,
+    *,
+    chunk_tokens=None,
+    lengths: Sequence | None = None,
+    backward: Callable = torch.Tensor.backward,
+    sync_context: Callable = lambda is_last: contextlib.nullcontext(),
+    get_rep: Callable | None = None,
+    select: Callable | Sequence[Callable] | None = None,
+    allow_batch_mixing: bool = False,
+    agree_on_out_of_memory: bool = True,
+    encode_group: Callable | None = None,
+) -> StepReport:
+    """Accumulate into `.grad` the exact gradient of a loss where each anchor sees only its own group.
+
+    Without in-batch negatives (FlagEmbedding's no_in_batch_neg, NeMo's embedding recipes), anchor i is
+    scored against its own positive and hard negatives only: L = (1 / B) sum_i l(a_i, p_i, n_i1..n_ik), a
+    sum of per-row terms. A chunk of rows, encoded in every column, holds all its terms' inputs, so it is
+    back-propagated directly: encoded once, with grad (each column's texts in GROUP_FORWARDS forwards,
+    longest first: `column_pieces`), no second forward, no cached gradients.
+
+    loss_fn:      loss(*reps, rows=index) -> one term per row of a chunk, whose representations `reps` are
+                  in column order and whose rows in the batch are `index` (to read per-row side data such
+                  as teacher scores); `group_loss` is one. The step divides their sum by the batch size.
+    chunk_size:   rows per chunk (a chunk of c rows encodes c texts per column); chunk_tokens: padded
+                  tokens per chunk, all columns together, counted as if every text of a row were as long
+                  as its longest. The processes agree on one plan (`plan_step`).
+    The other arguments are those of `gradcache_step`; under DDP give `encode_group` even for one shared
+    encoder, since a chunk's columns must then go through one forward before its backward (train.Towers).
+    Only the last chunk's backward synchronizes; the processes agree on an out-of-memory or a loss that is
+    not finite before it (then nothing more is back-propagated and the report says `skipped`: the trainer
+    must not step on the partial gradients, and must clear them; DeepSpeed's own buffers cannot be cleared,
+    so train.py stops there).
+    """
+    columns = list(columns)
+    limits, by_tokens = chunk_limits(chunk_size, chunk_tokens, 1)  # one per row: all its columns together
+    every_column = (limits * len(columns), by_tokens)
+    lengths, encode, _ = prepare_step(
+        encoders, columns, every_column, lengths, select, get_rep, encode_group, allow_batch_mixing
+    )
+    batch_size = batch_size_of(columns[0])
+    counted = [example_lengths(column, n) for column, n in zip(columns, lengths, strict=True)]
+    plan = plan_step([torch.arange(batch_size)], limits, by_tokens, [row_lengths(counted)], False)
+    rows = RowChunks(encode, loss_fn, counted, batch_size, backward)
+    backpropagate_in_turn(plan, rows, sync_context, OutOfMemory(agree_on_out_of_memory, limits, by_tokens))
+    return StepReport(
+        loss=rows.total,
+        num_chunks=rows.forwards,
+        num_reencoded=0,
+        rep_grad_norm=float("nan"),  # no representation gradients are cached
+        skipped=rows.skipped,
+    )
+
+
+# --- What both steps share: the prologue, and the loop of backward passes -------------------------------
+
+
+def prepare_step(encoders, columns, chunking, lengths, select, get_rep, encode_group, allow_batch_mixing):
+    """The prologue of both steps: the arguments checked against the batch; returns (lengths, one entry
+    per column; encode(group); together: separate towers, whose chunks are back-propagated together)."""
+    encoders = [encode_group] * len(columns) if encode_group is not None else encoders
+    encoders = list(encoders) if isinstance(encoders, Sequence) else [encoders] * len(columns)
+    lengths = [None] * len(columns) if lengths is None else list(lengths)
+    check_step_arguments(encoders, columns, *chunking, lengths, allow_batch_mixing)
+    together = encode_group is not None or len({id(encoder) for encoder in encoders}) > 1
+    encode = group_encoder(
+        columns, encoders, encode_group, select or select_examples, get_rep or sentence_embedding
+    )
+    return lengths, encode, together
+
+
+def chunk_limits(chunk_size, chunk_tokens, num_columns):
+    """([a limit per column], by tokens): chunk_size, 32 by default, or chunk_tokens; never both."""
+    if chunk_size is not None and chunk_tokens is not None:
+        raise ValueError(
+            "pass chunk_size or chunk_tokens, not both: a chunk is counted in examples or in padded tokens."
+        )
+    by_tokens = chunk_tokens is not None
+    limit = chunk_tokens if by_tokens else 32 if chunk_size is None else chunk_size
+    return (list(limit) if isinstance(limit, Sequence) else [limit] * num_columns), by_tokens
+
+
+def group_encoder(columns, encoders, encode_group, select, get_rep):
+    """encode(group) -> the representations of a group's chunks: each chunk's input selected from its
+    column, then one call per chunk through its column's encoder, or one call for the group."""
+    selects = list(select) if isinstance(select, Sequence) else [select] * len(columns)
+
+    def encode(group):
+        inputs = [selects[c](columns[c], index) for c, index, _ in group]
+        if encode_group is not None:
+            return [get_rep(output) for output in encode_group(inputs, [chunk.column for chunk in group])]
+        return [get_rep(encoders[chunk.column](x)) for chunk, x in zip(group, inputs, strict=True)]
+
+    return encode
+
+
+def backpropagate_in_turn(groups, backpropagate_group, sync_context, out_of_memory):
+    """Stage 3's loop, and group_step's: `backpropagate_group(g, group, is_last)` in each group's sync
+    context, until it returns True. Only the last backward synchronizes; the processes agree on any
+    out-of-memory before it, since the others would wait in its all-reduce."""
+    for g, group in enumerate(groups):
+        is_last = g == len(groups) - 1
+        if is_last:
+            out_of_memory.agree()
+        elif out_of_memory.ran_out:
+            continue  # to the agreement before the last backward: no other process is waiting yet
+        with out_of_memory.watch(collective=is_last), sync_context(is_last):
+            if backpropagate_group(g, group, is_last):
+                break
+    out_of_memory.agree(collectively=False)
+
+
+# --- The three stages ------------------------------------------------------------------------------------
 
 
 def encode_without_grad(groups, encode, columns, sync_context, kept_sync):
@@ -262,6 +361,20 @@ def spans_processes(cross_process_negatives):
     return cross_process_negatives and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def stage_two_report(loss, rep_grads, groups, reencoded):
+    """The step's report after stage 2: `skipped` where the loss or a representation gradient is not
+    finite on any process."""
+    report = StepReport(
+        loss=loss,
+        num_chunks=sum(map(len, groups)),
+        num_reencoded=sum(map(len, reencoded)),
+        rep_grad_norm=float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in rep_grads]))),
+    )
+    finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(g).all()) for g in rep_grads)
+    report.skipped = any_process(not finite)  # an optimizer step on these gradients would poison the weights
+    return report
+
+
 def backpropagate_cache(group, reps, rep_grads, backward):
     """Stage 3 for one group: backward of the surrogate sum <r, dL/dr>; its gradient is the group's share.
 
@@ -275,111 +388,41 @@ def backpropagate_cache(group, reps, rep_grads, backward):
     backward(surrogate)
 
 
-def reencode_and_backpropagate(groups, rng_states, encode, rep_grads, backward, sync_context, out_of_memory):
-    """Stage 3 for the groups stage 1 did not keep: each encoded again with grad from its stage-1 RNG state
-    (the same dropout masks), its cached gradient back-propagated. Only the last backward synchronizes; the
-    processes agree on any out-of-memory before it, since the others would wait in its all-reduce."""
-    for g, group in enumerate(groups):
-        is_last = g == len(groups) - 1
-        if is_last:
-            out_of_memory.agree()
-        elif out_of_memory.ran_out:
-            continue  # to the agreement before the last backward: no other process is waiting yet
-        with out_of_memory.watch(collective=is_last), sync_context(is_last):
-            with rng_states[g].replay() if REFINEMENTS.replay_rng else contextlib.nullcontext():
-                reps = encode(group)
-            backpropagate_cache(group, reps, rep_grads, backward)
-            reps = None
-    out_of_memory.agree(collectively=False)
+def reencode_and_backpropagate(rng_states, encode, rep_grads, backward, g, group, is_last):
+    """Stage 3 for a group stage 1 did not keep: encoded again with grad from its stage-1 RNG state (the
+    same dropout masks), its cached gradient back-propagated."""
+    with rng_states[g].replay() if REFINEMENTS.replay_rng else contextlib.nullcontext():
+        reps = encode(group)
+    backpropagate_cache(group, reps, rep_grads, backward)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Without in-batch negatives, no cache: each chunk of rows back-propagated directly
-# ---------------------------------------------------------------------------------------------------------
+# --- group_step's pass: a chunk of rows, encoded in every column, back-propagated at once ---------------
 
 
-def group_step(
-    encoders,
-    columns: Sequence,
-    loss_fn: Callable,
-    chunk_size=None,
-    *,
-    chunk_tokens=None,
-    lengths: Sequence | None = None,
-    backward: Callable = torch.Tensor.backward,
-    sync_context: Callable = lambda is_last: contextlib.nullcontext(),
-    get_rep: Callable | None = None,
-    select: Callable | Sequence[Callable] | None = None,
-    allow_batch_mixing: bool = False,
-    agree_on_out_of_memory: bool = True,
-    encode_group: Callable | None = None,
-) -> StepReport:
-    """Accumulate into `.grad` the exact gradient of a loss where each anchor sees only its own group.
+class RowChunks:
+    """The pass of `group_step` for each chunk of rows; adds up the loss and the forwards it ran."""
 
-    Without in-batch negatives (FlagEmbedding's no_in_batch_neg, NeMo's embedding recipes), anchor i is
-    scored against its own positive and hard negatives only: L = (1 / B) sum_i l(a_i, p_i, n_i1..n_ik), a
-    sum of per-row terms. A chunk of rows, encoded in every column, holds all its terms' inputs, so it is
-    back-propagated directly: encoded once, with grad (each column's texts in GROUP_FORWARDS forwards,
-    longest first: `column_pieces`), no second forward, no cached gradients.
+    def __init__(self, encode, loss_fn, counted, batch_size, backward):
+        self.encode, self.loss_fn, self.counted, self.backward = encode, loss_fn, counted, backward
+        self.batch_size, self.total, self.forwards, self.skipped = batch_size, 0.0, 0, False
 
-    loss_fn:      loss(*reps, rows=index) -> one term per row of a chunk, whose representations `reps` are
-                  in column order and whose rows in the batch are `index` (to read per-row side data such
-                  as teacher scores); `group_loss` is one. The step divides their sum by the batch size.
-    chunk_size:   rows per chunk (each row's texts of every column go into it: a chunk of c rows encodes c
-                  texts per column); chunk_tokens: padded tokens per chunk, all columns together, counted
-                  as if every text of a row were as long as its longest. The processes agree on one plan
-                  (`plan_step`), so under ZeRO-2/3 they run the same passes.
-    The other arguments are those of `gradcache_step`; under DDP give `encode_group` even for one shared
-    encoder, since a chunk's columns must then go through one forward before its backward (train.Towers).
-    Only the last chunk's backward synchronizes; the processes agree on an out-of-memory or a loss that is
-    not finite before it (then nothing more is back-propagated and the report says `skipped`: the trainer
-    must not step on the partial gradients, and must clear them; DeepSpeed's own buffers cannot be cleared,
-    so train.py stops there).
-    """
-    columns = list(columns)
-    encoders = [encode_group] * len(columns) if encode_group is not None else encoders
-    encoders = list(encoders) if isinstance(encoders, Sequence) else [encoders] * len(columns)
-    limits, by_tokens = chunk_limits(chunk_size, chunk_tokens, 1)
-    lengths = [None] * len(columns) if lengths is None else list(lengths)
-    check_step_arguments(encoders, columns, limits * len(columns), by_tokens, lengths, allow_batch_mixing)
-    batch_size = batch_size_of(columns[0])
-    counted = [example_lengths(column, n) for column, n in zip(columns, lengths, strict=True)]
-    plan = plan_step([torch.arange(batch_size)], limits, by_tokens, [row_lengths(counted)], False)
-    encode = group_encoder(
-        columns, encoders, encode_group, select or select_examples, get_rep or sentence_embedding
-    )
-    out_of_memory = OutOfMemory(agree_on_out_of_memory, limits, by_tokens)
-
-    total, forwards = 0.0, 0
-    for g, [(_, index, padding)] in enumerate(plan):
-        is_last = g == len(plan) - 1
-        if is_last:
-            out_of_memory.agree()
-        elif out_of_memory.ran_out:
-            continue  # to the agreement before the last backward
-        with out_of_memory.watch(collective=is_last), sync_context(is_last):
-            pieces = [column_pieces(None if n is None else n[index], len(index)) for n in counted]
-            encoded = encode([Chunk(c, index[p], padding) for c, column in enumerate(pieces) for p in column])
-            reps, repeated = rows_in_order(encoded, pieces, len(index))
-            forwards += len(encoded)
-            with torch.autocast(reps[0].device.type, enabled=False):
-                terms = loss_fn(*[rep.float() for rep in reps], rows=index)
-                # padding, and a row encoded twice to keep the passes even: reach, add nothing
-                loss = terms.sum() * (0.0 if padding else 1.0 / batch_size) + 0.0 * repeated
-            total = total + loss.detach()
-            skipped = is_last and any_process(not bool(torch.isfinite(total)))  # one sync per step
-            if skipped:
-                break  # no process steps on these gradients: nor runs the backward that synchronizes
-            backward(loss)
-            reps = terms = loss = None
-    out_of_memory.agree(collectively=False)
-    return StepReport(
-        loss=total,
-        num_chunks=forwards,
-        num_reencoded=0,
-        rep_grad_norm=float("nan"),  # no representation gradients are cached
-        skipped=skipped,
-    )
+    def __call__(self, g, group, is_last):
+        [(_, index, padding)] = group
+        pieces = [column_pieces(None if n is None else n[index], len(index)) for n in self.counted]
+        encoded = self.encode(
+            [Chunk(c, index[p], padding) for c, column in enumerate(pieces) for p in column]
+        )
+        reps, repeated = rows_in_order(encoded, pieces, len(index))
+        self.forwards += len(encoded)
+        with torch.autocast(reps[0].device.type, enabled=False):
+            terms = self.loss_fn(*[rep.float() for rep in reps], rows=index)
+            # padding, and a row encoded twice to keep the passes even: reach, add nothing
+            loss = terms.sum() * (0.0 if padding else 1.0 / self.batch_size) + 0.0 * repeated
+        self.total = self.total + loss.detach()
+        self.skipped = is_last and any_process(not bool(torch.isfinite(self.total)))  # one sync per step
+        if self.skipped:
+            return True  # no process steps on these gradients: nor runs the backward that synchronizes
+        self.backward(loss)
 
 
 def column_pieces(lengths, rows):
@@ -421,9 +464,7 @@ def row_lengths(counted):
     return torch.stack(counted).amax(dim=0) * len(counted)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The refinements, and the encoding of a group
-# ---------------------------------------------------------------------------------------------------------
+# --- The refinements: what the step does beyond the paper ------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -453,34 +494,7 @@ def refinements(**switches):
             setattr(REFINEMENTS, name, value)
 
 
-def group_encoder(columns, encoders, encode_group, select, get_rep):
-    """encode(group) -> the representations of a group's chunks: each chunk's input selected from its
-    column, then one call per chunk through its column's encoder, or one call for the group."""
-    selects = list(select) if isinstance(select, Sequence) else [select] * len(columns)
-
-    def encode(group):
-        inputs = [selects[c](columns[c], index) for c, index, _ in group]
-        if encode_group is not None:
-            return [get_rep(output) for output in encode_group(inputs, [chunk.column for chunk in group])]
-        return [get_rep(encoders[chunk.column](x)) for chunk, x in zip(group, inputs, strict=True)]
-
-    return encode
-
-
-def chunk_limits(chunk_size, chunk_tokens, num_columns):
-    """([a limit per column], by tokens): chunk_size, 32 by default, or chunk_tokens; never both."""
-    if chunk_size is not None and chunk_tokens is not None:
-        raise ValueError(
-            "pass chunk_size or chunk_tokens, not both: a chunk is counted in examples or in padded tokens."
-        )
-    by_tokens = chunk_tokens is not None
-    limit = chunk_tokens if by_tokens else 32 if chunk_size is None else chunk_size
-    return (list(limit) if isinstance(limit, Sequence) else [limit] * num_columns), by_tokens
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The chunk plan: the same passes on every process
-# ---------------------------------------------------------------------------------------------------------
+# --- The chunk plan: the same passes on every process ----------------------------------------------------
 
 
 class Chunk(typing.NamedTuple):
@@ -592,10 +606,7 @@ def plan_chunks(column, chunk_size=None, *, chunk_tokens=None, lengths=None):
     return [torch.tensor(chunk) for chunk in [*chunks, chunk]]
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Inputs: a column is a dict of batch-first tensors (sentence-transformers features), a tensor, or
-# anything `select(column, index)` understands, such as raw texts tokenized chunk by chunk
-# ---------------------------------------------------------------------------------------------------------
+# --- Inputs: a features dict of batch-first tensors, a tensor, or what `select` understands ------------
 
 
 def sentence_embedding(output):
@@ -660,9 +671,7 @@ def tokenize_per_chunk(tokenize):
     return select
 
 
-# ---------------------------------------------------------------------------------------------------------
-# RNG replay: the re-encoding must draw the dropout masks of the first encoding
-# ---------------------------------------------------------------------------------------------------------
+# --- RNG replay: the re-encoding must draw the dropout masks of the first encoding -----------------------
 
 
 @dataclasses.dataclass
@@ -690,9 +699,7 @@ class RngState:
             yield
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Between processes: the exchange of stage 2, and decisions every process takes alike
-# ---------------------------------------------------------------------------------------------------------
+# --- Between processes: the exchange of stage 2, and decisions every process takes alike ---------------
 
 
 def gather_from_all_processes(local):
@@ -791,9 +798,7 @@ class OutOfMemory:
         )
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Checks: what cannot be exact, or cannot run, is refused with what to do
-# ---------------------------------------------------------------------------------------------------------
+# --- Checks: what cannot be exact, or cannot run, is refused with what to do -----------------------------
 
 
 def check_step_arguments(encoders, columns, limits, by_tokens, lengths, allow_batch_mixing):
@@ -866,9 +871,38 @@ def check_examples_independent(module):
         )
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Appendix: the loss of stage 2, tiled. Any loss(*reps) -> scalar works; reps come in column order.
-# ---------------------------------------------------------------------------------------------------------
+# --- Hugging Face accelerate (passed in, never imported) -------------------------------------------------
+
+
+def accelerate_sync_context(accelerator, *models):
+    """`sync_context` for accelerate: only the last chunk of the last outer micro-batch synchronizes.
+
+    `accelerator.sync_gradients` is False for every other chunk: accelerate's DeepSpeed wrapper then
+    neither reduces at the boundary nor steps, so DeepSpeed steps once per batch. Under DDP the other
+    chunks run in `accelerator.no_sync(model)`, saving N - 1 all-reduces. An outer
+    `accelerator.accumulate()` that is not syncing keeps every chunk unsynchronized.
+    """
+
+    @contextlib.contextmanager
+    def sync_context(is_last):
+        outer_sync = accelerator.sync_gradients
+        accelerator.sync_gradients = outer_sync and is_last
+        try:
+            with contextlib.ExitStack() as no_sync:
+                # DeepSpeed's own no_sync refuses a step inside it (ZeRO-1) or does nothing (ZeRO-2/3).
+                if not is_last and accelerator.distributed_type != "DEEPSPEED":
+                    for model in models:
+                        no_sync.enter_context(accelerator.no_sync(model))
+                yield
+        finally:
+            accelerator.sync_gradients = outer_sync
+
+    return sync_context
+
+
+# =========================================================================================================
+# Part II. The loss of stage 2: any loss(*reps) -> scalar works; reps come in column order
+# =========================================================================================================
 
 
 def contrastive_loss(
@@ -900,48 +934,40 @@ def contrastive_loss(
     autograd: O(B d)); "dot" uses them as they are. `symmetric` averages L with the positive-to-anchor
     direction, positive i scored against every anchor: a second tiled pass with the roles swapped.
 
-    tile_size:         rows and columns of a score tile. None: 2048, or the longer side of the score
-                       matrix when that is shorter (`default_tile_size`).
+    tile_size:         rows and columns of a score tile. None: `default_tile_size`.
     matryoshka_dims:   the loss becomes sum_m w_m L(m), L(m) the loss on the first m dimensions of every
                        representation, renormalized whatever `similarity` (as sentence-transformers'
                        MatryoshkaLoss: weights 1 by default, the full dimension trained only if listed).
     local_rows:        a slice of the anchors (with `symmetric`, also of the positives) whose terms this
-                       call computes, still divided by the whole B: the share of one process under
-                       cross-process negatives (the candidates are every process's), so that the shares
-                       of all processes sum to L. None computes every row.
+                       call computes, still divided by the whole B: one process's share under
+                       cross-process negatives, so that the shares of all processes sum to L.
     false_negatives:   a `FalseNegatives`: candidates of a row that are not negatives leave its softmax
                        (tile by tile, never B x N); the row's own target always stays.
     stats:             a dict that receives "masked_fraction": the share of candidates (targets left
                        out) that `false_negatives` masked, over every direction and Matryoshka size;
                        "accuracy": the share of anchors whose positive scores highest of their candidates
-                       (read off the forward's row maxima, over every Matryoshka size); with
-                       `matryoshka_dims`, "matryoshka_losses": {dim: L(dim)}, unweighted, the mean over
-                       the rows computed (`local_rows`).
+                       (over every Matryoshka size); with `matryoshka_dims`, "matryoshka_losses": {dim:
+                       L(dim)}, unweighted, the mean over the rows computed (`local_rows`).
     teacher_scores:    B x (1 + k) scores of a teacher (a cross-encoder) for each anchor's positive and hard
                        negatives: adds distill_weight x the KL divergence from the teacher's softmax to the
                        student's over each anchor's own group, both at `distill_temperature` (the student's
                        scores are tau <a_i, c>), as FlagEmbedding and tevatron distil. On the full
                        representation, also with Matryoshka.
     """
-    if similarity not in ("cos", "dot"):
-        raise ValueError(f"similarity must be 'cos' or 'dot', got {similarity!r}")
     rows = slice(0, len(anchor)) if local_rows is None else local_rows
-    columns = [anchor, positive, *negatives]
     counts = [0, 0]  # candidates masked, candidates seen
     hits = [0, 0] if stats is not None else None  # anchors whose positive scores highest, anchors
-    options = dict(scale=scale, symmetric=symmetric, rows=rows, tile_size=tile_size)
-    options |= dict(false_negatives=false_negatives, counts=counts, hits=hits)
-    if matryoshka_dims is None:
-        if similarity == "cos":
-            columns = [F.normalize(column, dim=-1) for column in columns]
-        loss = info_nce(*columns, **options)
-    else:
-        weights = check_matryoshka(matryoshka_dims, matryoshka_weights, anchor.shape[-1])
-        terms = [
-            info_nce(*[F.normalize(column[:, :dim], dim=-1) for column in columns], **options)
-            for dim in matryoshka_dims
-        ]
-        loss = sum(weight * term for weight, term in zip(weights, terms, strict=True))
+    in_batch = functools.partial(info_nce, scale=scale, symmetric=symmetric, rows=rows, tile_size=tile_size)
+    in_batch = functools.partial(in_batch, false_negatives=false_negatives, counts=counts, hits=hits)
+    loss, terms = loss_skeleton(
+        in_batch,
+        [anchor, positive, *negatives],
+        (rows, rows, len(anchor)),
+        scale,
+        similarity,
+        (matryoshka_dims, matryoshka_weights),
+        (teacher_scores, distill_weight, distill_temperature),
+    )
     if stats is not None:
         stats["masked_fraction"] = float(counts[0]) / max(counts[1], 1)
         stats["accuracy"] = float(hits[0]) / max(hits[1], 1)
@@ -950,13 +976,6 @@ def contrastive_loss(
             stats["matryoshka_losses"] = {
                 dim: float(term.detach()) * per_row for dim, term in zip(matryoshka_dims, terms, strict=True)
             }
-    if teacher_scores is not None:
-        full = (
-            [F.normalize(c, dim=-1) for c in (anchor, positive, *negatives)] if similarity == "cos" else None
-        )
-        student = group_scores(*(full or (anchor, positive, *negatives)), rows=rows) * scale
-        teacher = torch.as_tensor(teacher_scores, dtype=student.dtype, device=student.device)[rows]
-        loss = loss + distill_weight * distillation(student, teacher, distill_temperature).sum() / len(anchor)
     return loss
 
 
@@ -985,45 +1004,74 @@ def group_loss(
     scores above the margin, leaves the group), `teacher_scores`. `stats` accumulates "masked" and "seen"
     hard negatives over calls, and their ratio as "masked_fraction".
     """
-    if similarity not in ("cos", "dot"):
-        raise ValueError(f"similarity must be 'cos' or 'dot', got {similarity!r}")
     rows = torch.arange(len(anchor)) if rows is None else rows
-    columns = [anchor, positive, *negatives]
-    every = slice(None)
-    masked = 0
-
-    def group_terms(columns):
-        nonlocal masked
-        similarities = group_scores(*columns, rows=every)
-        mask = torch.zeros_like(similarities, dtype=torch.bool)
-        if false_negatives is not None:
-            mask[:, 1:] = false_negatives.group_mask(similarities, rows)
-            masked = masked + mask.sum()
-        scores = (similarities * scale).masked_fill(mask, -torch.inf)
-        return torch.logsumexp(scores, dim=1) - scores[:, 0]
-
-    if matryoshka_dims is None:
-        if similarity == "cos":
-            columns = [F.normalize(column, dim=-1) for column in columns]
-        terms = group_terms(columns)
-    else:
-        weights = check_matryoshka(matryoshka_dims, matryoshka_weights, anchor.shape[-1])
-        terms = sum(
-            weight * group_terms([F.normalize(column[:, :dim], dim=-1) for column in columns])
-            for dim, weight in zip(matryoshka_dims, weights, strict=True)
-        )
+    masked = [0]  # hard negatives masked
+    own_group = functools.partial(
+        group_terms, scale=scale, rows=rows, false_negatives=false_negatives, masked=masked
+    )
+    terms, _ = loss_skeleton(
+        own_group,
+        [anchor, positive, *negatives],
+        (slice(None), rows, None),
+        scale,
+        similarity,
+        (matryoshka_dims, matryoshka_weights),
+        (teacher_scores, distill_weight, distill_temperature),
+    )
     if stats is not None:
-        stats["masked"] = stats.get("masked", 0) + int(masked)
+        stats["masked"] = stats.get("masked", 0) + int(masked[0])
         stats["seen"] = stats.get("seen", 0) + len(anchor) * len(negatives) * len(matryoshka_dims or [0])
         stats["masked_fraction"] = stats["masked"] / max(stats["seen"], 1)
-    if teacher_scores is not None:
-        full = (
-            [F.normalize(c, dim=-1) for c in (anchor, positive, *negatives)] if similarity == "cos" else None
-        )
-        student = group_scores(*(full or (anchor, positive, *negatives)), rows=every) * scale
-        teacher = torch.as_tensor(teacher_scores, dtype=student.dtype, device=student.device)[rows]
-        terms = terms + distill_weight * distillation(student, teacher, distill_temperature)
     return terms
+
+
+# --- The skeleton of both: normalize, each Matryoshka size, distillation; a new term goes here -----------
+
+
+def loss_skeleton(own_term, columns, rows, scale, similarity, matryoshka, distill):
+    """Both losses: `own_term(*columns)` on the normalized columns, at each Matryoshka size, plus the terms
+    every row adds (distillation). Returns (the loss, each Matryoshka size's own term or None).
+
+    rows:        (the rows of `columns` the terms are of, their indices into the batch's side data, and
+                 the batch size dividing the sum of a per-row term: None keeps one term per row).
+    matryoshka:  (dims, weights); distill: (teacher scores, weight, temperature), as in `contrastive_loss`.
+    """
+    if similarity not in ("cos", "dot"):
+        raise ValueError(f"similarity must be 'cos' or 'dot', got {similarity!r}")
+    (local, side_rows, batch_size), (dims, weights) = rows, matryoshka
+    if dims is None:
+        normalized = [F.normalize(column, dim=-1) for column in columns] if similarity == "cos" else columns
+        loss, terms = own_term(*normalized), None
+    else:
+        weights = check_matryoshka(dims, weights, columns[0].shape[-1])
+        terms = [own_term(*[F.normalize(column[:, :dim], dim=-1) for column in columns]) for dim in dims]
+        loss = sum(weight * term for weight, term in zip(weights, terms, strict=True))
+    teacher_scores, distill_weight, temperature = distill
+    if teacher_scores is not None:  # on the full representation, also with Matryoshka
+        full = [F.normalize(c, dim=-1) for c in columns] if similarity == "cos" else columns
+        student = group_scores(*full, rows=local) * scale
+        teacher = torch.as_tensor(teacher_scores, dtype=student.dtype, device=student.device)[side_rows]
+        per_row = distillation(student, teacher, temperature)
+        loss = loss + (
+            distill_weight * per_row if batch_size is None else distill_weight * per_row.sum() / batch_size
+        )
+    return loss, terms
+
+
+def check_matryoshka(dims, weights, width):
+    weights = [1.0] * len(dims) if weights is None else list(weights)
+    if len(weights) != len(dims):
+        raise ValueError(
+            f"{len(weights)} matryoshka_weights for {len(dims)} matryoshka_dims: give one weight per "
+            "dimension."
+        )
+    for dim in dims:
+        if not isinstance(dim, int) or not 0 < dim <= width:
+            raise ValueError(
+                f"matryoshka dimension {dim!r} is not a prefix of the {width}-dimensional representation: "
+                f"use dimensions between 1 and {width}."
+            )
+    return weights
 
 
 def group_scores(anchor, positive, *negatives, rows):
@@ -1036,6 +1084,9 @@ def distillation(student, teacher, temperature):
     """Per row, KL(softmax(teacher / T) || softmax(student / T)) over the row's group."""
     student, teacher = F.log_softmax(student / temperature, -1), F.log_softmax(teacher / temperature, -1)
     return F.kl_div(student, teacher, log_target=True, reduction="none").sum(dim=-1)
+
+
+# --- Each loss's own term: the in-batch softmax, tiled, or each row's group ------------------------------
 
 
 def info_nce(anchor, positive, *negatives, scale, symmetric, rows, tile_size, false_negatives, counts, hits):
@@ -1053,6 +1104,21 @@ def info_nce(anchor, positive, *negatives, scale, symmetric, rows, tile_size, fa
     for mask in filter(None, masks[: 1 + symmetric]):
         counts[0], counts[1] = counts[0] + mask.masked, counts[1] + mask.seen
     return loss
+
+
+def group_terms(*columns, scale, rows, false_negatives, masked):
+    """`group_loss`'s own term: l_i over row i's group, less the hard negatives `false_negatives` masks
+    (counted into masked[0])."""
+    similarities = group_scores(*columns, rows=slice(None))
+    mask = torch.zeros_like(similarities, dtype=torch.bool)
+    if false_negatives is not None:
+        mask[:, 1:] = false_negatives.group_mask(similarities, rows)
+        masked[0] = masked[0] + mask.sum()
+    scores = (similarities * scale).masked_fill(mask, -torch.inf)
+    return torch.logsumexp(scores, dim=1) - scores[:, 0]
+
+
+# --- Masks: candidates that are not negatives leave the softmax ------------------------------------------
 
 
 @dataclasses.dataclass
@@ -1201,20 +1267,15 @@ class GuideScores(typing.NamedTuple):
     thresholds: torch.Tensor
 
 
-def check_matryoshka(dims, weights, width):
-    weights = [1.0] * len(dims) if weights is None else list(weights)
-    if len(weights) != len(dims):
-        raise ValueError(
-            f"{len(weights)} matryoshka_weights for {len(dims)} matryoshka_dims: give one weight per "
-            "dimension."
-        )
-    for dim in dims:
-        if not isinstance(dim, int) or not 0 < dim <= width:
-            raise ValueError(
-                f"matryoshka dimension {dim!r} is not a prefix of the {width}-dimensional representation: "
-                f"use dimensions between 1 and {width}."
-            )
-    return weights
+# --- Tiles: the B x N scores, never held at once ---------------------------------------------------------
+
+
+def tiled_cross_entropy(queries, keys, first_target, scale, tile_size=None, mask=None, hits=None):
+    """Per row i: LSE_j(s_ij) - s_i,t(i), s_ij = tau <q_i, k_j>, t(i) = first_target + i; never B x N.
+    A `TileMask` leaves entries out of the log-sum-exp (never the targets). `hits`, a list [rows whose target
+    scores highest, rows], is added to."""
+    tile_size = tile_size or default_tile_size(len(queries), len(keys))
+    return TiledCrossEntropy.apply(queries, keys, int(first_target), float(scale), int(tile_size), mask, hits)
 
 
 def default_tile_size(rows, columns):
@@ -1226,14 +1287,6 @@ def default_tile_size(rows, columns):
     whatever the batch.
     """
     return max(1, min(2048, max(rows, columns)))
-
-
-def tiled_cross_entropy(queries, keys, first_target, scale, tile_size=None, mask=None, hits=None):
-    """Per row i: LSE_j(s_ij) - s_i,t(i), s_ij = tau <q_i, k_j>, t(i) = first_target + i; never B x N.
-    A `TileMask` leaves entries out of the log-sum-exp (never the targets). `hits`, a list [rows whose target
-    scores highest, rows], is added to."""
-    tile_size = tile_size or default_tile_size(len(queries), len(keys))
-    return TiledCrossEntropy.apply(queries, keys, int(first_target), float(scale), int(tile_size), mask, hits)
 
 
 class TiledCrossEntropy(torch.autograd.Function):
@@ -1312,34 +1365,3 @@ def targets_in_tile(i, j, shape, first_target, device):
     last = min(shape[0], j + shape[1] - first_target - i)
     local = torch.arange(first, max(first, last), device=device)
     return local, local + (first_target + i - j)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Hugging Face accelerate (passed in, never imported)
-# ---------------------------------------------------------------------------------------------------------
-
-
-def accelerate_sync_context(accelerator, *models):
-    """`sync_context` for accelerate: only the last chunk of the last outer micro-batch synchronizes.
-
-    `accelerator.sync_gradients` is False for every other chunk: accelerate's DeepSpeed wrapper then
-    neither reduces at the boundary nor steps, so DeepSpeed steps once per batch. Under DDP the other
-    chunks run in `accelerator.no_sync(model)`, saving N - 1 all-reduces. An outer
-    `accelerator.accumulate()` that is not syncing keeps every chunk unsynchronized.
-    """
-
-    @contextlib.contextmanager
-    def sync_context(is_last):
-        outer_sync = accelerator.sync_gradients
-        accelerator.sync_gradients = outer_sync and is_last
-        try:
-            with contextlib.ExitStack() as no_sync:
-                # DeepSpeed's own no_sync refuses a step inside it (ZeRO-1) or does nothing (ZeRO-2/3).
-                if not is_last and accelerator.distributed_type != "DEEPSPEED":
-                    for model in models:
-                        no_sync.enter_context(accelerator.no_sync(model))
-                yield
-        finally:
-            accelerator.sync_gradients = outer_sync
-
-    return sync_context
