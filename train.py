@@ -166,35 +166,15 @@ import gradcache
 import pairs
 
 # What tests/, bench/ and data/ use; the rest may change.
+# fmt: off
 __all__ = [
-    "parse_args",
-    "parser",
-    "HelpFormatter",
-    "source_settings",
-    "default_run_name",
-    "main",
-    "load_data",
-    "load_pairs",
-    "make_loader",
-    "load_model",
-    "prepare_model",
-    "role_prompts",
-    "training_module",
-    "Towers",
-    "is_router",
-    "loss_function",
-    "text_id",
-    "positives_by_anchor",
-    "load_guide",
-    "gradient_cache_step",
-    "false_negatives",
-    "guide_representations",
-    "tokenize",
-    "optimizer_step",
-    "save_checkpoint",
-    "set_peak_learning_rate",
-    "step_with_back_off",
+    "parse_args", "parser", "HelpFormatter", "source_settings", "default_run_name", "main", "load_data",
+    "load_pairs", "make_loader", "load_model", "prepare_model", "role_prompts", "training_module", "Towers",
+    "is_router", "loss_function", "text_id", "positives_by_anchor", "load_guide", "gradient_cache_step",
+    "false_negatives", "guide_representations", "tokenize", "optimizer_step", "save_checkpoint",
+    "set_peak_learning_rate", "step_with_back_off",
 ]
+# fmt: on
 
 
 def stops_in_one_line(function):
@@ -663,7 +643,7 @@ def main(args):
             # No checkpoint inside a streak of non-finite steps: `latest` would resume into the streak.
             due = args.save_steps and (progress.global_step % args.save_steps == 0 or last)
             if (due or preempted) and not streak.in_a_row:
-                state = trainer_state(progress, derived, args, wandb_run_id)
+                state = checkpoint_state(progress, derived, args, wandb_run_id)
                 streak.last_checkpoint = save_checkpoint(
                     accelerator, checkpoints_dir, state, args.save_total_limit
                 )
@@ -1668,7 +1648,7 @@ def set_peak_learning_rate(scheduler, learning_rate):
     scheduler.step()  # recomputes every group's rate from base_lrs, at the same point of the schedule
 
 
-def trainer_state(progress, derived, args, wandb_run_id):
+def checkpoint_state(progress, derived, args, wandb_run_id):
     """What a checkpoint's trainer_state.json holds: where the run stands, and what launched it."""
     return dataclasses.asdict(progress) | {
         "processes": derived["processes"],
