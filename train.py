@@ -1452,7 +1452,7 @@ def optimizer_step(accelerator, engine, optimizer, scheduler, args, progress, st
         if streak.deepspeed and infinite and not accelerator.optimizer_step_was_skipped:
             fail(
                 f"DeepSpeed applied step {progress.global_step + 1} with a gradient norm of {grad_norm}: the "
-                f"weights are no longer finite. Resume from the last checkpoint "
+                "weights are no longer finite. Resume from the last checkpoint "
                 f"({streak.last_checkpoint or 'none was saved'}) with a lower --lr."
             )
     optimizer.zero_grad()
