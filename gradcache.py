@@ -76,8 +76,6 @@ __all__ += ["gather_from_all_processes", "largest_on_any_process", "any_process"
 # =========================================================================================================
 # Part I. The step
 # =========================================================================================================
-
-
 @dataclasses.dataclass
 class StepReport:
     loss: torch.Tensor  # detached full-batch loss (the global batch's with cross-process negatives)
@@ -143,19 +141,16 @@ def gradcache_step(
     check_loss_takes_local_rows(loss_fn, cross_process_negatives)
     groups = plan_step(columns, *chunking, lengths, together)
     out_of_memory = OutOfMemory(agree_on_out_of_memory, *chunking)
-
     # The last group keeps its graph from stage 1 to stage 3, and its sync context stays open as long.
     with contextlib.ExitStack() as kept_sync:
         with out_of_memory.watch():
             cache, rng_states, kept = encode_without_grad(groups, encode, columns, sync_context, kept_sync)
         out_of_memory.agree()  # before stage 2's collectives
-
         loss, rep_grads = cache_representation_gradients(loss_fn, cache, cross_process_negatives)
         reencoded = groups[:-1] if kept is not None else groups
         report = stage_two_report(loss, rep_grads, groups, reencoded)
         if report.skipped:
             return report
-
         if kept is not None:  # back-propagated first, while its graph is alive: one group's activations
             with out_of_memory.watch(collective=len(groups) == 1):
                 backpropagate_cache(groups[-1], kept, rep_grads, backward)
@@ -186,21 +181,19 @@ def group_step(
     Without in-batch negatives (FlagEmbedding's no_in_batch_neg, NeMo's embedding recipes), anchor i is
     scored against its own positive and hard negatives only: L = (1 / B) sum_i l(a_i, p_i, n_i1..n_ik), a
     sum of per-row terms. A chunk of rows, encoded in every column, holds all its terms' inputs, so it is
-    back-propagated directly: encoded once, with grad (each column's texts in GROUP_FORWARDS forwards,
+    back-propagated at once: encoded once, with grad (each column's texts in GROUP_FORWARDS forwards,
     longest first: `column_pieces`), no second forward, no cached gradients.
 
-    loss_fn:      loss(*reps, rows=index) -> one term per row of a chunk, whose representations `reps` are
-                  in column order and whose rows in the batch are `index` (to read per-row side data such
-                  as teacher scores); `group_loss` is one. The step divides their sum by the batch size.
-    chunk_size:   rows per chunk (a chunk of c rows encodes c texts per column); chunk_tokens: padded
-                  tokens per chunk, all columns together, counted as if every text of a row were as long
-                  as its longest. The processes agree on one plan (`plan_step`).
-    The other arguments are those of `gradcache_step`; under DDP give `encode_group` even for one shared
-    encoder, since a chunk's columns must then go through one forward before its backward (train.Towers).
-    Only the last chunk's backward synchronizes; the processes agree on an out-of-memory or a loss that is
-    not finite before it (then nothing more is back-propagated and the report says `skipped`: the trainer
-    must not step on the partial gradients, and must clear them; DeepSpeed's own buffers cannot be cleared,
-    so train.py stops there).
+    loss_fn:      loss(*reps, rows=index) -> one term per row of a chunk (reps in column order, `index`
+                  the rows in the batch, to read side data such as teacher scores): `group_loss`. The step
+                  divides their sum by the batch size.
+    chunk_size:   rows per chunk (c texts per column); chunk_tokens: padded tokens per chunk, all columns
+                  together, as if every text of a row were as long as its longest.
+    The others are `gradcache_step`'s; under DDP give `encode_group` even for one shared encoder (a chunk's
+    columns must go through one forward before its backward: train.Towers). The processes agree on an
+    out-of-memory or a loss that is not finite before the last backward; then nothing more is
+    back-propagated and the report says `skipped`: the trainer must clear the partial gradients (DeepSpeed's
+    own buffers cannot be: train.py stops there).
     """
     columns = list(columns)
     limits, by_tokens = chunk_limits(chunk_size, chunk_tokens, 1)  # one per row: all its columns together
@@ -211,20 +204,13 @@ def group_step(
     batch_size = batch_size_of(columns[0])
     counted = [example_lengths(column, n) for column, n in zip(columns, lengths, strict=True)]
     plan = plan_step([torch.arange(batch_size)], limits, by_tokens, [row_lengths(counted)], False)
-    rows = RowChunks(encode, loss_fn, counted, batch_size, backward)
-    backpropagate_in_turn(plan, rows, sync_context, OutOfMemory(agree_on_out_of_memory, limits, by_tokens))
-    return StepReport(
-        loss=rows.total,
-        num_chunks=rows.forwards,
-        num_reencoded=0,
-        rep_grad_norm=float("nan"),  # no representation gradients are cached
-        skipped=rows.skipped,
-    )
+    passes = RowChunks(encode, loss_fn, counted, batch_size, backward)
+    backpropagate_in_turn(plan, passes, sync_context, OutOfMemory(agree_on_out_of_memory, limits, by_tokens))
+    # No representation gradients are cached: their norm is nan.
+    return StepReport(passes.total, passes.forwards, 0, float("nan"), passes.skipped)
 
 
 # --- What both steps share: the prologue, and the loop of backward passes -------------------------------
-
-
 def prepare_step(encoders, columns, chunking, lengths, select, get_rep, encode_group, allow_batch_mixing):
     """The prologue of both steps: the arguments checked against the batch; returns (lengths, one entry
     per column; encode(group); together: separate towers, whose chunks are back-propagated together)."""
@@ -281,17 +267,12 @@ def backpropagate_in_turn(groups, backpropagate_group, sync_context, out_of_memo
 
 
 # --- The three stages ------------------------------------------------------------------------------------
-
-
 def encode_without_grad(groups, encode, columns, sync_context, kept_sync):
     """Stage 1: every group encoded without grad; its representations cached, its RNG state kept.
 
-    The cache is one fp32 buffer per column, in batch order, filled chunk by chunk: a single allocation,
-    where a list of small chunk tensors would fragment the heap and keep it after stage 2 frees them. The
-    last group is encoded with grad (in its sync context, entered into `kept_sync`) and its representations
-    returned, so that stage 3 back-propagates it without a second forward. Returns (cache, RNG states,
-    the last group's representations or None).
-    """
+    The cache is one fp32 buffer per column, in batch order: one allocation, where small chunk tensors
+    would fragment the heap. The last group is encoded with grad (its sync context entered into
+    `kept_sync`). Returns (cache, RNG states, the last group's representations or None)."""
     cache, rng_states, reps = [None] * len(columns), [], None
     for g, group in enumerate(groups):
         rng_states.append(RngState.capture())
@@ -312,9 +293,7 @@ def encode_without_grad(groups, encode, columns, sync_context, kept_sync):
 
 def cache_representation_gradients(loss_fn, cache, cross_process_negatives):
     """Stage 2: the full-batch loss and dL/dr for every representation, in batch order, fp32, unscaled.
-
-    Empties `cache`: from here on the step holds the B x d gradients, not the representations too.
-    """
+    Empties `cache`: from here on the step holds the B x d gradients, not the representations too."""
     leaves = [reps.requires_grad_() for reps in cache]
     cache.clear()
     with torch.autocast(leaves[0].device.type, enabled=False), torch.enable_grad():
@@ -327,12 +306,10 @@ def cache_representation_gradients(loss_fn, cache, cross_process_negatives):
 def global_batch_gradients(loss_fn, leaves):
     """Stage 2 across processes: local rows against global columns.
 
-    Every process gathers every column of every process (detached) and computes only its own rows of the
-    loss, `loss_fn(*global_columns, local_rows=slice)`: its share L_r of the global loss, whose gradient
-    reaches its own rows and every other process's candidates. The gradient of a representation is the
-    sum over processes of dL_r/dr: one all-reduce carries all of them, and the shares of the loss. The
-    cost per process is O(B_local x B_global); no process holds B_global x B_global.
-    """
+    Each process gathers every process's columns (detached) and computes its share L_r of the global loss,
+    `loss_fn(*global_columns, local_rows=slice)`. The gradient of a representation is the sum over
+    processes of dL_r/dr: one all-reduce carries them all, and the shares. Cost per process: O(B_local x
+    B_global)."""
     gathered = [gather_from_all_processes(leaf) for leaf in leaves]
     sizes = [len(rows) for rows in gathered[0]]
     first = sum(sizes[: dist.get_rank()])
@@ -364,20 +341,15 @@ def spans_processes(cross_process_negatives):
 def stage_two_report(loss, rep_grads, groups, reencoded):
     """The step's report after stage 2: `skipped` where the loss or a representation gradient is not
     finite on any process."""
-    report = StepReport(
-        loss=loss,
-        num_chunks=sum(map(len, groups)),
-        num_reencoded=sum(map(len, reencoded)),
-        rep_grad_norm=float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in rep_grads]))),
-    )
+    norm = float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in rep_grads])))
+    report = StepReport(loss, sum(map(len, groups)), sum(map(len, reencoded)), norm)
     finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(g).all()) for g in rep_grads)
     report.skipped = any_process(not finite)  # an optimizer step on these gradients would poison the weights
     return report
 
 
 def backpropagate_cache(group, reps, rep_grads, backward):
-    """Stage 3 for one group: backward of the surrogate sum <r, dL/dr>; its gradient is the group's share.
-
+    """Stage 3 for one group: backward of the surrogate sum <r, dL/dr>, whose gradient is the group's share.
     A padding chunk enters with a zero weight: its backward reaches the same parameters as the others'."""
     # fp32 with autocast off: the representation gradients are unscaled, `backward` scales (fp16) once.
     with torch.autocast(reps[0].device.type, enabled=False):
@@ -397,8 +369,6 @@ def reencode_and_backpropagate(rng_states, encode, rep_grads, backward, g, group
 
 
 # --- group_step's pass: a chunk of rows, encoded in every column, back-propagated at once ---------------
-
-
 class RowChunks:
     """The pass of `group_step` for each chunk of rows; adds up the loss and the forwards it ran."""
 
@@ -426,13 +396,11 @@ class RowChunks:
 
 
 def column_pieces(lengths, rows):
-    """The positions (0 to rows - 1) of a chunk's rows in the forwards of one column: longest text first, in
-    GROUP_FORWARDS forwards, where `Refinements.sort_by_length` is on and the column's `lengths` (of these
-    rows) are known; else one forward in row order. Chunks of rows are ordered by a row's longest text, so
-    a column's own texts pad less when sorted again (bench/speed.py counts the padded tokens: at batch
-    1,024, chunks of 32 rows, 1.31x the real ones, against 1.10x for the cache's per-column chunks). Every
-    process runs as many forwards (ZeRO-3 gathers the parameters in each): a chunk of one row encodes it
-    again."""
+    """The positions (0 to rows - 1) of a chunk's rows in one column's GROUP_FORWARDS forwards, longest text
+    first (with `Refinements.sort_by_length` and the rows' `lengths`; else one forward in row order): a
+    column's own texts pad less sorted again (bench/speed.py, batch 1,024, chunks of 32 rows: 1.31x the real
+    tokens, the cache's per-column chunks 1.10x). Every process runs as many forwards (ZeRO-3 gathers in
+    each): a chunk of one row encodes it again."""
     if not (REFINEMENTS.sort_by_length and lengths is not None):
         return [torch.arange(rows)]
     order = torch.argsort(lengths, descending=True, stable=True)
@@ -465,8 +433,6 @@ def row_lengths(counted):
 
 
 # --- The refinements: what the step does beyond the paper ------------------------------------------------
-
-
 @dataclasses.dataclass
 class Refinements:
     """What the step does beyond the paper, none of it changing the gradients. Benchmarks and negative
@@ -495,8 +461,6 @@ def refinements(**switches):
 
 
 # --- The chunk plan: the same passes on every process ----------------------------------------------------
-
-
 class Chunk(typing.NamedTuple):
     """Examples `index` of column `column`, encoded in one forward. A padding chunk repeats one example
     so that this process runs as many passes as the others: it is encoded and back-propagated with a zero
@@ -510,26 +474,18 @@ class Chunk(typing.NamedTuple):
 def plan_step(columns, limits, by_tokens, lengths, together):
     """The step's groups (what one backward covers), the same in number and shape on every process.
 
-    Each column is planned alone (`plan_chunks`), from this process's texts. Under ZeRO-2 and ZeRO-3 every
-    forward and backward is a collective, so the processes then agree on the number of chunks of every
-    column (the largest any of them planned: one all-reduce), and a process that planned fewer halves its
-    largest chunks, in tokens or examples, until it has as many: halving never exceeds the budget. A column
-    with fewer examples than chunks gets padding chunks.
-
-    A shared encoder back-propagates chunk by chunk: one group per chunk, column after column. Separate
-    towers (`together`) back-propagate one chunk of every column together, so every column holds the same
-    number of chunks: under ZeRO-3 every backward must reach every tower, or a tower's first gradient of
-    the step lands on a stale one (DeepSpeed issue #1355), and under DDP each backward must see the same
-    parameters on every process.
+    Each column is planned alone (`plan_chunks`); the processes agree on each column's number of chunks
+    (the largest any planned: one all-reduce), and one that planned fewer halves its largest chunks until
+    it has as many (halving never exceeds the budget), then adds padding chunks. A shared encoder makes
+    one group per chunk; separate towers (`together`) one chunk of every column per group, every column
+    as many chunks: under ZeRO-3 each backward must reach every tower (else a tower's first gradient lands
+    on a stale one: DeepSpeed issue #1355), under DDP each must see the same parameters on every process.
     """
     limit_name = "chunk_tokens" if by_tokens else "chunk_size"
-    counted = [
-        example_lengths(column, column_lengths)
-        for column, column_lengths in zip(columns, lengths, strict=True)
-    ]
+    counted = [example_lengths(column, n) for column, n in zip(columns, lengths, strict=True)]
     plans = [
-        plan_chunks(column, lengths=column_lengths, **{limit_name: limit})
-        for column, limit, column_lengths in zip(columns, limits, counted, strict=True)
+        plan_chunks(column, lengths=n, **{limit_name: limit})
+        for column, limit, n in zip(columns, limits, counted, strict=True)
     ]
     counts = [max(map(len, plans))] * len(plans) if together else [len(plan) for plan in plans]
     counts = largest_on_any_process(counts)
@@ -571,12 +527,10 @@ def plan_chunks(column, chunk_size=None, *, chunk_tokens=None, lengths=None):
     """Index tensors splitting a column into chunks: of at most `chunk_size` examples, or of at most
     `chunk_tokens` padded tokens (examples x the chunk's longest); exactly one of the two.
 
-    lengths:      tokens per example; by default counted from the attention mask of a features dict.
-    With lengths (and `Refinements.sort_by_length`), examples are ordered longest first (stable), so each
-    chunk holds texts of similar length and trims most of its padding; the longest chunk comes first, so a
-    chunk size that does not fit fails at once. A token budget takes, in that order, as many examples as
-    fit; a chunk's padded size is then its count x its first example's length. An example longer than the
-    budget gets a chunk of its own.
+    With `lengths` (tokens per example; default: from a features dict's attention mask) and
+    `Refinements.sort_by_length`, examples go longest first (stable): each chunk trims its own padding, and
+    a chunk size that does not fit fails at once. A token budget takes, in that order, as many examples as
+    fit; an example longer than the budget gets a chunk of its own.
     """
     if (chunk_size is None) == (chunk_tokens is None):
         raise ValueError("pass one of chunk_size (examples per chunk) and chunk_tokens (padded tokens).")
@@ -587,9 +541,8 @@ def plan_chunks(column, chunk_size=None, *, chunk_tokens=None, lengths=None):
             "chunk_tokens needs each example's length: pass lengths= (tokens per example) for a column "
             "without an attention mask, or use chunk_size."
         )
-    if lengths is not None:
-        if lengths.shape != (batch_size,):
-            raise ValueError(f"lengths holds {lengths.numel()} values for a column of {batch_size} examples.")
+    if lengths is not None and lengths.shape != (batch_size,):
+        raise ValueError(f"lengths holds {lengths.numel()} values for a column of {batch_size} examples.")
     if REFINEMENTS.sort_by_length and lengths is not None:
         order = torch.argsort(lengths, descending=True, stable=True)
     else:
@@ -607,8 +560,6 @@ def plan_chunks(column, chunk_size=None, *, chunk_tokens=None, lengths=None):
 
 
 # --- Inputs: a features dict of batch-first tensors, a tensor, or what `select` understands ------------
-
-
 def sentence_embedding(output):
     """The representation a sentence-transformers model returns; other outputs pass through."""
     return output["sentence_embedding"] if isinstance(output, Mapping) else output
@@ -626,11 +577,10 @@ def batch_size_of(column):
 def select_examples(column, index):
     """The examples `index` of a column, with padding columns that no selected example uses trimmed.
 
-    Non-tensor entries (sentence-transformers' `'modality'`) and 0-d tensors pass through unchanged.
-    Trailing padding is trimmed; leading padding too when the chunk is left-padded (decoder-only models:
-    every selected example ends at the last column). The chunk is then what tokenizing its texts alone
-    gives, the way sentence-transformers encodes a batch: a model that numbers positions from the first
-    column sees them shifted by the trimmed columns, which rotary positions (relative) do not feel.
+    Non-tensor entries (sentence-transformers' `'modality'`) and 0-d tensors pass through. Trailing padding
+    is trimmed; leading padding too when the chunk is left-padded (decoder-only models). The chunk is then
+    what tokenizing its texts alone gives, as sentence-transformers encodes a batch (positions counted from
+    the first column shift; rotary positions, relative, do not feel it).
     """
     if isinstance(column, torch.Tensor):
         return column[index.to(column.device)]
@@ -656,9 +606,8 @@ def tokenize_per_chunk(tokenize):
     """`select` for columns of raw texts: `tokenize(texts)` runs on the texts of each chunk as it is encoded.
 
     `tokenize` turns a list of texts into the encoder's input, padded to its longest (a sentence-transformers
-    model's `preprocess`, then a move to the device). A chunk is padded to its own longest text and the batch
-    is never tokenized as a whole, so host memory follows the batch's tokens. Give `gradcache_step` each
-    column's token counts (the tokenizer without padding) as `lengths`, to sort and budget the chunks.
+    model's `preprocess`, then a move to the device); the batch is never tokenized as a whole. Give
+    `gradcache_step` each column's token counts as `lengths`, to sort and budget the chunks.
     """
 
     def select(texts, index):
@@ -672,12 +621,9 @@ def tokenize_per_chunk(tokenize):
 
 
 # --- RNG replay: the re-encoding must draw the dropout masks of the first encoding -----------------------
-
-
 @dataclasses.dataclass
 class RngState:
     """The generators' states before a group's first forward: the CPU's and every initialized CUDA device's.
-
     Stage 3 replays them, so that dropout draws the masks of stage 1 and the re-encoding is the encoding."""
 
     cpu: torch.Tensor
@@ -700,8 +646,6 @@ class RngState:
 
 
 # --- Between processes: the exchange of stage 2, and decisions every process takes alike ---------------
-
-
 def gather_from_all_processes(local):
     """Every process's rows of `local` (detached), in rank order; ranks may hold different row counts."""
     world_size = dist.get_world_size()
@@ -741,10 +685,8 @@ def collective_device():
 
 class ChunkOutOfMemory(RuntimeError):
     """A chunk did not fit. Nothing of the step is left in memory; gradients may hold part of it.
-
     `agreed`: every process raised it together. When False this process ran out alone where the others may
-    be waiting in a collective it will never join (a synchronizing backward, or any pass under ZeRO-3): the
-    job cannot continue, only end.
+    wait in a collective it will never join (a synchronizing backward, any pass under ZeRO-3): end the job.
     """
 
     def __init__(self, message, agreed=True):
@@ -754,12 +696,12 @@ class ChunkOutOfMemory(RuntimeError):
 
 class OutOfMemory:
     """The out-of-memory protocol of one step: every process raises `ChunkOutOfMemory` together, or the job
-    ends; no process is ever left waiting in a collective the others will not reach.
+    ends; no process is left waiting in a collective the others will not reach.
 
     `watch()` notes an out-of-memory in a pass and lets the step go on, computing nothing, to the next
-    agreement point (`agree()`: before stage 2, before the backward that synchronizes), where one all-reduce
-    tells every process. A pass that is a collective itself (the synchronizing backward; under ZeRO-2/3,
-    `agree=False`, every pass) cannot wait for that: the process that ran out raises at once, unagreed.
+    `agree()` (before stage 2, before the synchronizing backward): one all-reduce tells every process. A
+    pass that is a collective itself (the synchronizing backward; every pass with `agree=False`) raises at
+    once, unagreed.
     """
 
     def __init__(self, agree, limits, by_tokens):
@@ -799,8 +741,6 @@ class OutOfMemory:
 
 
 # --- Checks: what cannot be exact, or cannot run, is refused with what to do -----------------------------
-
-
 def check_step_arguments(encoders, columns, limits, by_tokens, lengths, allow_batch_mixing):
     if not columns:
         raise ValueError("columns is empty: pass at least an anchor and a positive column.")
@@ -872,8 +812,6 @@ def check_examples_independent(module):
 
 
 # --- Hugging Face accelerate (passed in, never imported) -------------------------------------------------
-
-
 def accelerate_sync_context(accelerator, *models):
     """`sync_context` for accelerate: only the last chunk of the last outer micro-batch synchronizes.
 
@@ -903,24 +841,22 @@ def accelerate_sync_context(accelerator, *models):
 # =========================================================================================================
 # Part II. The loss of stage 2: any loss(*reps) -> scalar works; reps come in column order
 # =========================================================================================================
-
-
 def contrastive_loss(
     anchor,
     positive,
     *negatives,
-    scale=20.0,
-    similarity="cos",
-    symmetric=False,
-    tile_size=None,
-    matryoshka_dims=None,
-    matryoshka_weights=None,
-    local_rows=None,
-    false_negatives=None,
-    stats=None,
-    teacher_scores=None,
-    distill_weight=1.0,
-    distill_temperature=1.0,
+    scale: float = 20.0,
+    similarity: str = "cos",
+    symmetric: bool = False,
+    tile_size: int | None = None,
+    matryoshka_dims: Sequence[int] | None = None,
+    matryoshka_weights: Sequence[float] | None = None,
+    local_rows: slice | None = None,
+    false_negatives: "FalseNegatives | None" = None,
+    stats: dict | None = None,
+    teacher_scores: torch.Tensor | Sequence | None = None,
+    distill_weight: float = 1.0,
+    distill_temperature: float = 1.0,
 ):
     """In-batch-negatives InfoNCE (MultipleNegativesRankingLoss), computed tile by tile.
 
@@ -983,16 +919,16 @@ def group_loss(
     anchor,
     positive,
     *negatives,
-    scale=20.0,
-    similarity="cos",
-    matryoshka_dims=None,
-    matryoshka_weights=None,
-    rows=None,
-    false_negatives=None,
-    stats=None,
-    teacher_scores=None,
-    distill_weight=1.0,
-    distill_temperature=1.0,
+    scale: float = 20.0,
+    similarity: str = "cos",
+    matryoshka_dims: Sequence[int] | None = None,
+    matryoshka_weights: Sequence[float] | None = None,
+    rows: torch.Tensor | None = None,
+    false_negatives: "FalseNegatives | None" = None,
+    stats: dict | None = None,
+    teacher_scores: torch.Tensor | Sequence | None = None,
+    distill_weight: float = 1.0,
+    distill_temperature: float = 1.0,
 ):
     """Without in-batch negatives: each anchor against its own group only, one term per row (`group_step`).
 
@@ -1026,8 +962,6 @@ def group_loss(
 
 
 # --- The skeleton of both: normalize, each Matryoshka size, distillation; a new term goes here -----------
-
-
 def loss_skeleton(own_term, columns, rows, scale, similarity, matryoshka, distill):
     """Both losses: `own_term(*columns)` on the normalized columns, at each Matryoshka size, plus the terms
     every row adds (distillation). Returns (the loss, each Matryoshka size's own term or None).
@@ -1087,8 +1021,6 @@ def distillation(student, teacher, temperature):
 
 
 # --- Each loss's own term: the in-batch softmax, tiled, or each row's group ------------------------------
-
-
 def info_nce(anchor, positive, *negatives, scale, symmetric, rows, tile_size, false_negatives, counts, hits):
     """L of `contrastive_loss` on representations as they are (already normalized for cosine)."""
     first_row = rows.start or 0  # the global index of the first local row is also that of its positive
@@ -1119,8 +1051,6 @@ def group_terms(*columns, scale, rows, false_negatives, masked):
 
 
 # --- Masks: candidates that are not negatives leave the softmax ------------------------------------------
-
-
 @dataclasses.dataclass
 class FalseNegatives:
     """Which in-batch candidates are not negatives of a row, by identity and by margin.
@@ -1268,8 +1198,6 @@ class GuideScores(typing.NamedTuple):
 
 
 # --- Tiles: the B x N scores, never held at once ---------------------------------------------------------
-
-
 def tiled_cross_entropy(queries, keys, first_target, scale, tile_size=None, mask=None, hits=None):
     """Per row i: LSE_j(s_ij) - s_i,t(i), s_ij = tau <q_i, k_j>, t(i) = first_target + i; never B x N.
     A `TileMask` leaves entries out of the log-sum-exp (never the targets). `hits`, a list [rows whose target
