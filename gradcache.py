@@ -60,17 +60,12 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["gradcache_step", "group_step", "StepReport", "ChunkOutOfMemory", "refinements"]
-__all__ += [
-    "contrastive_loss",
-    "group_loss",
-    "FalseNegatives",
-    "accelerate_sync_context",
-    "tokenize_per_chunk",
-]
+__all__ += ["contrastive_loss", "group_loss", "FalseNegatives", "accelerate_sync_context"]
+__all__ += ["tokenize_per_chunk", "select_examples", "plan_chunks", "plan_step", "GROUP_FORWARDS"]
 # Parts that train.py, tests/ and bench/ call or replace on their own.
-__all__ += ["select_examples", "plan_chunks", "plan_step", "GROUP_FORWARDS", "check_examples_independent"]
-__all__ += ["cache_representation_gradients", "backpropagate_cache", "check_loss_takes_local_rows"]
-__all__ += ["gather_from_all_processes", "largest_on_any_process", "any_process", "collective_device"]
+__all__ += ["check_examples_independent", "cache_representation_gradients", "backpropagate_cache"]
+__all__ += ["check_loss_takes_local_rows", "gather_from_all_processes", "largest_on_any_process"]
+__all__ += ["any_process", "collective_device"]
 
 
 # =========================================================================================================
@@ -865,10 +860,9 @@ def contrastive_loss(
 
         s_ij = tau <a_i, c_j>,        L = (1 / B) sum_i [ LSE_j(s_ij) - s_i,pos(i) ]
 
-    Each row's term is a cross-entropy over the B x N scores, which `TiledCrossEntropy` computes from
-    tiles, never holding more than one. `similarity="cos"` normalizes the representations first (in
-    autograd: O(B d)); "dot" uses them as they are. `symmetric` averages L with the positive-to-anchor
-    direction, positive i scored against every anchor: a second tiled pass with the roles swapped.
+    `TiledCrossEntropy` computes each row's term from tiles of the B x N scores, one at a time.
+    `similarity="cos"` normalizes the representations first; "dot" uses them as they are. `symmetric`
+    averages L with the positive-to-anchor direction: a second tiled pass with the roles swapped.
 
     tile_size:         rows and columns of a score tile. None: `default_tile_size`.
     matryoshka_dims:   the loss becomes sum_m w_m L(m), L(m) the loss on the first m dimensions of every
@@ -879,16 +873,14 @@ def contrastive_loss(
                        cross-process negatives, so that the shares of all processes sum to L.
     false_negatives:   a `FalseNegatives`: candidates of a row that are not negatives leave its softmax
                        (tile by tile, never B x N); the row's own target always stays.
-    stats:             a dict that receives "masked_fraction": the share of candidates (targets left
-                       out) that `false_negatives` masked, over every direction and Matryoshka size;
-                       "accuracy": the share of anchors whose positive scores highest of their candidates
-                       (over every Matryoshka size); with `matryoshka_dims`, "matryoshka_losses": {dim:
-                       L(dim)}, unweighted, the mean over the rows computed (`local_rows`).
+    stats:             a dict that receives "masked_fraction" (of the candidates, targets left out, over
+                       every direction and Matryoshka size), "accuracy" (the share of anchors whose positive
+                       scores highest) and with `matryoshka_dims` "matryoshka_losses": {dim: L(dim)},
+                       unweighted, the mean over the rows computed.
     teacher_scores:    B x (1 + k) scores of a teacher (a cross-encoder) for each anchor's positive and hard
-                       negatives: adds distill_weight x the KL divergence from the teacher's softmax to the
-                       student's over each anchor's own group, both at `distill_temperature` (the student's
-                       scores are tau <a_i, c>), as FlagEmbedding and tevatron distil. On the full
-                       representation, also with Matryoshka.
+                       negatives: adds distill_weight x KL(teacher's softmax || student's) over each
+                       anchor's own group, both at `distill_temperature` (as FlagEmbedding and tevatron),
+                       on the full representation.
     """
     rows = slice(0, len(anchor)) if local_rows is None else local_rows
     counts = [0, 0]  # candidates masked, candidates seen
@@ -898,7 +890,7 @@ def contrastive_loss(
     loss, terms = loss_skeleton(
         in_batch,
         [anchor, positive, *negatives],
-        (rows, rows, len(anchor)),
+        (rows, rows, len(anchor)),  # the rows computed, their side data; a per-row term summed over B
         scale,
         similarity,
         (matryoshka_dims, matryoshka_weights),
@@ -948,7 +940,7 @@ def group_loss(
     terms, _ = loss_skeleton(
         own_group,
         [anchor, positive, *negatives],
-        (slice(None), rows, None),
+        (slice(None), rows, None),  # every row held, its side data at `rows`; one term per row
         scale,
         similarity,
         (matryoshka_dims, matryoshka_weights),
@@ -1053,10 +1045,8 @@ def group_terms(*columns, scale, rows, false_negatives, masked):
 # --- Masks: candidates that are not negatives leave the softmax ------------------------------------------
 @dataclasses.dataclass
 class FalseNegatives:
-    """Which in-batch candidates are not negatives of a row, by identity and by margin.
-
-    As the batch grows, duplicates and near-duplicates of a row's positive sit among its "negatives"; the
-    loss then pushes the anchor away from right answers. Masked candidates leave the row's softmax.
+    """Which in-batch candidates are not negatives of a row, by identity and by margin: as the batch grows,
+    duplicates of a row's positive sit among its "negatives". Masked candidates leave the row's softmax.
 
     ids:      one integer tensor per column of the global batch, an id per text (equal texts, equal ids:
               a hash of the text), all >= 0. A candidate is masked where it repeats the row's positive, or
@@ -1068,9 +1058,8 @@ class FalseNegatives:
     margin:   mask candidates whose similarity exceeds the row's positive similarity + margin (absolute,
               Qwen3-Embedding's 0.1), or `margin` x it (`relative`: NV-Retriever's 0.95). The threshold is
               detached: it chooses the mask, it is not trained.
-    guide:    a frozen guide model's representations of every column (GIST): a candidate that the guide
-              scores (cosine) above its score of the row's positive + `guide_margin` is masked. The guide
-              sees what the student may not yet: its scores choose the mask, nothing trains them.
+    guide:    a frozen guide model's representations of every column (GIST), never trained: a candidate
+              that the guide scores (cosine) above its score of the row's positive + `guide_margin` is masked.
     """
 
     ids: Sequence | None = None
@@ -1151,9 +1140,7 @@ class FalseNegatives:
         return torch.as_tensor(self.other_positives, device=device).reshape(batch_size, -1)
 
     def threshold(self, positive_similarity):
-        if self.relative:
-            return positive_similarity * self.margin
-        return positive_similarity + self.margin
+        return positive_similarity * self.margin if self.relative else positive_similarity + self.margin
 
 
 @dataclasses.dataclass
@@ -1207,13 +1194,9 @@ def tiled_cross_entropy(queries, keys, first_target, scale, tile_size=None, mask
 
 
 def default_tile_size(rows, columns):
-    """The automatic tile: 2048, or the whole score matrix's longer side when that is shorter.
-
-    A tile must be large enough that its matrix products run at full speed and the loop over tiles costs
-    nothing; beyond that a larger tile only costs memory. On a CPU at batch 4096 (8192 candidates, d =
-    384), tiles of 1024, 2048 and 4096 took the same time within noise; at 2048 a tile is 16 MiB in fp32
-    whatever the batch.
-    """
+    """The automatic tile: 2048, or the whole score matrix's longer side when that is shorter. Large enough
+    that its products run at full speed (on a CPU at batch 4096, d = 384, tiles of 1024, 2048 and 4096 took
+    the same time); beyond that a tile only costs memory: 16 MiB in fp32 at 2048, whatever the batch."""
     return max(1, min(2048, max(rows, columns)))
 
 
@@ -1228,10 +1211,9 @@ class TiledCrossEntropy(torch.autograd.Function):
                the tile that holds them. Output: ce_i = log l_i - (s_i,t(i) - m_i) = LSE_i - s_i,t(i).
     Backward:  with g_i = dL/dce_i, the tiles are recomputed: P_IJ = exp(S_IJ - m_I) / l_I (the softmax),
                G_IJ = g_I (P_IJ - Y_IJ), and  dQ_I += tau G_IJ K_J,   dK_J += G_IJ^T (tau Q_I).
-    Memory: Q, K, their gradients, two floats per row (m and l: LSE = m + log l would round to the
-    precision of its magnitude, 1e-6 at a scale of 20, and so would every P) and one tile. Compute: four
-    matrix products of the score matrix's size instead of three. P - Y is formed in the tile, so the
-    gradient of a row whose softmax is nearly one-hot does not lose its digits to a later subtraction.
+    Memory: Q, K, their gradients, two floats per row (m and l: LSE = m + log l would round to its
+    magnitude's precision, and so would every P) and one tile. Compute: four matrix products of the score
+    matrix's size instead of three. P - Y is formed in the tile: a nearly one-hot row keeps its digits.
     """
 
     @staticmethod
@@ -1270,9 +1252,7 @@ class TiledCrossEntropy(torch.autograd.Function):
         for i, j, rows, columns in tiles(len(queries), len(keys), ctx.tile_size):
             scores = scaled[rows] @ keys[columns].T
             local, targets = targets_in_tile(i, j, scores.shape, ctx.first_target, queries.device)
-            if (
-                ctx.mask is not None
-            ):  # the forward's mask, from the same scores: masked entries get no gradient
+            if ctx.mask is not None:  # the forward's mask, from the same scores: no gradient where masked
                 scores.masked_fill_(ctx.mask(scores, rows, columns, local, targets), -torch.inf)
             weights = scores.sub_(row_max[rows, None]).exp_().mul_(grad_over_sum[rows, None])
             weights[local, targets] -= grad_rows[i + local]
