@@ -21,30 +21,26 @@ activations but no other example. So one training step is:
                      chunk's share of dL/dtheta.
 
 The parameter gradients equal those of the full batch; peak memory is one chunk's activations. Stage 2
-never holds the B x N score matrix either: `contrastive_loss` computes it tile by tile with a running
-log-sum-exp and recomputes the tiles in its backward (Inf-CL, Cheng et al. 2024); across processes each
-process computes only its own rows. The chunk encoded last in stage 1 keeps its graph (N chunks cost
-N - 1 re-encodings), and chunks group examples of similar length (`Refinements`). A chunk holds
-`chunk_size` examples or as many as fit in `chunk_tokens` padded tokens; raw texts are tokenized chunk by
-chunk (`tokenize_per_chunk`). All processes agree on one plan (`plan_step`): under ZeRO-2 and ZeRO-3
-every pass is a collective. Without in-batch negatives the loss is a sum of per-row terms and needs no
-cache: `group_step` back-propagates each chunk of rows as it is encoded.
+never holds the B x N scores either: `contrastive_loss` computes them tile by tile with a running
+log-sum-exp (Inf-CL, Cheng et al. 2024), each process only its own rows. The last chunk of stage 1 keeps
+its graph (N chunks cost N - 1 re-encodings) and chunks group texts of similar length (`Refinements`);
+a chunk holds `chunk_size` examples or what fits in `chunk_tokens` padded tokens; all processes agree on
+one plan (`plan_step`: under ZeRO-2/3 every pass is a collective). Without in-batch negatives the loss is
+a sum of per-row terms: `group_step` back-propagates each chunk of rows as it is encoded, no cache.
 
-Two guards keep a long run safe. A loss or representation gradient that is not finite is found after
-stage 2: nothing is back-propagated and the report says `skipped`. A chunk that runs out of memory raises
-`ChunkOutOfMemory`, naming a chunk size that fits; every process takes the same decision (a one-number
-all-reduce), except inside a collective pass (the synchronizing backward, any pass under ZeRO-3), where
-the error says `agreed=False` and the trainer must end the job.
+Two guards: a loss or representation gradient that is not finite is found after stage 2, nothing is
+back-propagated and the report says `skipped`; a chunk that runs out of memory raises `ChunkOutOfMemory`
+on every process together (a one-number all-reduce), naming a chunk size that fits, or, inside a
+collective pass, with `agreed=False` on its own: the trainer must end the job.
 
-Torch alone: the framework enters through `backward(surrogate)` (e.g. `accelerator.backward`: the fp16
-loss scale, DeepSpeed's step) and `sync_context(is_last)` (only the batch's last backward synchronizes;
-`accelerate_sync_context` builds it for Hugging Face accelerate without importing it).
+Torch alone: the framework enters through `backward(surrogate)` (`accelerator.backward`: the fp16 loss
+scale, DeepSpeed's step) and `sync_context(is_last)` (`accelerate_sync_context`).
 
 Part I, the step: the outlines `gradcache_step` and `group_step`, their one prologue and one loop of
 backward passes, the three stages, then what they rest on (refinements, the chunk plan, inputs, RNG
-replay, processes and out of memory, checks, the accelerate adapter). Part II, the loss of stage 2:
-`contrastive_loss` and `group_loss` on one skeleton (normalize, Matryoshka sizes, distillation), their
-own terms, the masks of false negatives, the tiles.
+replay, processes and out of memory, checks, the accelerate adapter). Part II, the loss: `contrastive_loss`
+and `group_loss` on one skeleton (normalize, Matryoshka sizes, distillation), their own terms, the masks
+of false negatives, the tiles.
 """
 
 import contextlib
@@ -102,32 +98,28 @@ def gradcache_step(
     encoders:     one callable shared by all columns, or one per column (query and document towers),
                   called on one chunk's input. None with `encode_group`.
     encode_group: instead, `encode_group(inputs, columns)` encodes a group's chunk inputs (of those column
-                  indices) in one call. DDP towers need it: one backward must follow one forward that ran
-                  every tower. Groups are then one chunk of every column.
+                  indices) in one call, one chunk of every column: under DDP one backward must follow one
+                  forward that ran every tower.
     columns:      the batch, one entry per text column (anchor, positive, hard negatives...): a
                   sentence-transformers features dict, a tensor, or what `select` understands.
-    loss_fn:      loss(*reps) -> scalar on the full batch of representations, in column order. Under
-                  cross-process negatives it is called as loss(*global_reps, local_rows=slice) and
-                  returns this process's share (a loss_fn without `local_rows` is refused there). None:
-                  `contrastive_loss`.
+    loss_fn:      loss(*reps) -> scalar on the full batch of representations, in column order; with
+                  cross-process negatives loss(*global_reps, local_rows=slice) -> this process's share.
+                  None: `contrastive_loss`.
     chunk_size:   examples per chunk, an int or one per column; need not divide the batch. 32 by default.
-    chunk_tokens: instead of chunk_size, padded tokens per chunk (an int or one per column): a chunk takes
-                  as many examples, longest first, as fit. An example longer than the budget is alone.
-    lengths:      tokens per example, one sequence per column (or None): orders the chunks by length and
-                  counts their tokens. Default: from a features dict's attention mask.
-    select:       select(column, index) -> the encoder's input for those examples; one callable or one
-                  per column (e.g. `tokenize_per_chunk` with each column's prompt). None: `select_examples`.
+    chunk_tokens: instead, padded tokens per chunk (an int or one per column): a chunk takes as many
+                  examples, longest first, as fit.
+    lengths:      tokens per example, one sequence per column (or None: a features dict's attention mask),
+                  to order the chunks by length and count their tokens.
+    select:       select(column, index) -> the encoder's input for those examples, one or one per column
+                  (`tokenize_per_chunk` for raw texts). None: `select_examples`.
     get_rep:      an encoder's output -> the representation. None: `sentence_embedding`.
-    backward:     called once per chunk on a surrogate scalar: `accelerator.backward` under accelerate.
-    sync_context: `sync_context(is_last)` is entered around the forward and backward of each chunk that
-                  is back-propagated; only the batch's last gets `is_last=True` (`accelerate_sync_context`).
+    backward:     called on each group's surrogate scalar: `accelerator.backward` under accelerate.
+    sync_context: `sync_context(is_last)` is entered around each back-propagated group's forward and
+                  backward; only the batch's last gets `is_last=True` (`accelerate_sync_context`).
     cross_process_negatives: contrast each example with every process's representations; the gradients
-                  are those of the global batch where the backend averages over processes (DDP, FSDP,
-                  DeepSpeed). Each process computes only its own rows (`global_batch_gradients`).
-    agree_on_out_of_memory: every process learns of an out-of-memory before the next collective, and all
-                  raise `ChunkOutOfMemory` together. False where every pass is a collective (DeepSpeed
-                  ZeRO-2/3): the process that ran out raises at once, unagreed.
-    """
+                  are the global batch's where the backend averages over processes (DDP, FSDP, DeepSpeed).
+    agree_on_out_of_memory: all processes raise `ChunkOutOfMemory` together. False where every pass is a
+                  collective (DeepSpeed ZeRO-2/3): the process that ran out raises at once, unagreed."""
     columns, loss_fn = list(columns), loss_fn or contrastive_loss
     chunking = chunk_limits(chunk_size, chunk_tokens, len(columns))
     lengths, encode, together = prepare_step(
@@ -188,8 +180,7 @@ def group_step(
     columns must go through one forward before its backward: train.Towers). The processes agree on an
     out-of-memory or a loss that is not finite before the last backward; then nothing more is
     back-propagated and the report says `skipped`: the trainer must clear the partial gradients (DeepSpeed's
-    own buffers cannot be: train.py stops there).
-    """
+    own buffers cannot be: train.py stops there)."""
     columns = list(columns)
     limits, by_tokens = chunk_limits(chunk_size, chunk_tokens, 1)  # one per row: all its columns together
     every_column = (limits * len(columns), by_tokens)
@@ -474,8 +465,7 @@ def plan_step(columns, limits, by_tokens, lengths, together):
     it has as many (halving never exceeds the budget), then adds padding chunks. A shared encoder makes
     one group per chunk; separate towers (`together`) one chunk of every column per group, every column
     as many chunks: under ZeRO-3 each backward must reach every tower (else a tower's first gradient lands
-    on a stale one: DeepSpeed issue #1355), under DDP each must see the same parameters on every process.
-    """
+    on a stale one: DeepSpeed issue #1355), under DDP each must see the same parameters on every process."""
     limit_name = "chunk_tokens" if by_tokens else "chunk_size"
     counted = [example_lengths(column, n) for column, n in zip(columns, lengths, strict=True)]
     plans = [
@@ -525,8 +515,7 @@ def plan_chunks(column, chunk_size=None, *, chunk_tokens=None, lengths=None):
     With `lengths` (tokens per example; default: from a features dict's attention mask) and
     `Refinements.sort_by_length`, examples go longest first (stable): each chunk trims its own padding, and
     a chunk size that does not fit fails at once. A token budget takes, in that order, as many examples as
-    fit; an example longer than the budget gets a chunk of its own.
-    """
+    fit; an example longer than the budget gets a chunk of its own."""
     if (chunk_size is None) == (chunk_tokens is None):
         raise ValueError("pass one of chunk_size (examples per chunk) and chunk_tokens (padded tokens).")
     batch_size = batch_size_of(column)
@@ -575,8 +564,7 @@ def select_examples(column, index):
     Non-tensor entries (sentence-transformers' `'modality'`) and 0-d tensors pass through. Trailing padding
     is trimmed; leading padding too when the chunk is left-padded (decoder-only models). The chunk is then
     what tokenizing its texts alone gives, as sentence-transformers encodes a batch (positions counted from
-    the first column shift; rotary positions, relative, do not feel it).
-    """
+    the first column shift; rotary positions, relative, do not feel it)."""
     if isinstance(column, torch.Tensor):
         return column[index.to(column.device)]
     if not isinstance(column, Mapping):
@@ -602,8 +590,7 @@ def tokenize_per_chunk(tokenize):
 
     `tokenize` turns a list of texts into the encoder's input, padded to its longest (a sentence-transformers
     model's `preprocess`, then a move to the device); the batch is never tokenized as a whole. Give
-    `gradcache_step` each column's token counts as `lengths`, to sort and budget the chunks.
-    """
+    `gradcache_step` each column's token counts as `lengths`, to sort and budget the chunks."""
 
     def select(texts, index):
         features = tokenize([texts[i] for i in index.tolist()])
@@ -681,8 +668,7 @@ def collective_device():
 class ChunkOutOfMemory(RuntimeError):
     """A chunk did not fit. Nothing of the step is left in memory; gradients may hold part of it.
     `agreed`: every process raised it together. When False this process ran out alone where the others may
-    wait in a collective it will never join (a synchronizing backward, any pass under ZeRO-3): end the job.
-    """
+    wait in a collective it will never join (a synchronizing backward, any pass under ZeRO-3): end the job."""
 
     def __init__(self, message, agreed=True):
         super().__init__(message)
@@ -696,8 +682,7 @@ class OutOfMemory:
     `watch()` notes an out-of-memory in a pass and lets the step go on, computing nothing, to the next
     `agree()` (before stage 2, before the synchronizing backward): one all-reduce tells every process. A
     pass that is a collective itself (the synchronizing backward; every pass with `agree=False`) raises at
-    once, unagreed.
-    """
+    once, unagreed."""
 
     def __init__(self, agree, limits, by_tokens):
         self.agree_with_others, self.limits, self.by_tokens = agree, limits, by_tokens
@@ -791,8 +776,7 @@ def check_examples_independent(module):
     """Raise if `module` mixes examples across the batch (BatchNorm in training mode).
 
     Such a layer computes different outputs for a chunk than for the full batch, so no chunked gradient
-    can equal the full-batch one. BatchNorm in eval mode uses running statistics and is fine.
-    """
+    can equal the full-batch one. BatchNorm in eval mode uses running statistics and is fine."""
     mixing = [
         name or type(module).__name__
         for name, layer in module.named_modules()
@@ -813,8 +797,7 @@ def accelerate_sync_context(accelerator, *models):
     `accelerator.sync_gradients` is False for every other chunk: accelerate's DeepSpeed wrapper then
     neither reduces at the boundary nor steps, so DeepSpeed steps once per batch. Under DDP the other
     chunks run in `accelerator.no_sync(model)`, saving N - 1 all-reduces. An outer
-    `accelerator.accumulate()` that is not syncing keeps every chunk unsynchronized.
-    """
+    `accelerator.accumulate()` that is not syncing keeps every chunk unsynchronized."""
 
     @contextlib.contextmanager
     def sync_context(is_last):
@@ -865,14 +848,12 @@ def contrastive_loss(
     averages L with the positive-to-anchor direction: a second tiled pass with the roles swapped.
 
     tile_size:         rows and columns of a score tile. None: `default_tile_size`.
-    matryoshka_dims:   the loss becomes sum_m w_m L(m), L(m) the loss on the first m dimensions of every
-                       representation, renormalized whatever `similarity` (as sentence-transformers'
-                       MatryoshkaLoss: weights 1 by default, the full dimension trained only if listed).
-    local_rows:        a slice of the anchors (with `symmetric`, also of the positives) whose terms this
-                       call computes, still divided by the whole B: one process's share under
-                       cross-process negatives, so that the shares of all processes sum to L.
+    matryoshka_dims:   the loss becomes sum_m w_m L(m), L(m) on the first m dimensions, renormalized
+                       whatever `similarity` (sentence-transformers' MatryoshkaLoss: weights 1 by default).
+    local_rows:        a slice of the anchors (and positives) whose terms this call computes, still divided
+                       by the whole B: one process's share under cross-process negatives.
     false_negatives:   a `FalseNegatives`: candidates of a row that are not negatives leave its softmax
-                       (tile by tile, never B x N); the row's own target always stays.
+                       (tile by tile); the row's own target always stays.
     stats:             a dict that receives "masked_fraction" (of the candidates, targets left out, over
                        every direction and Matryoshka size), "accuracy" (the share of anchors whose positive
                        scores highest) and with `matryoshka_dims` "matryoshka_losses": {dim: L(dim)},
@@ -880,8 +861,7 @@ def contrastive_loss(
     teacher_scores:    B x (1 + k) scores of a teacher (a cross-encoder) for each anchor's positive and hard
                        negatives: adds distill_weight x KL(teacher's softmax || student's) over each
                        anchor's own group, both at `distill_temperature` (as FlagEmbedding and tevatron),
-                       on the full representation.
-    """
+                       on the full representation."""
     rows = slice(0, len(anchor)) if local_rows is None else local_rows
     counts = [0, 0]  # candidates masked, candidates seen
     hits = [0, 0] if stats is not None else None  # anchors whose positive scores highest, anchors
@@ -930,8 +910,7 @@ def group_loss(
     indices in the batch of the rows these representations hold (a chunk's), to read the per-row side data:
     `false_negatives` (a hard negative that repeats the row's positive or one of its other positives, or
     scores above the margin, leaves the group), `teacher_scores`. `stats` accumulates "masked" and "seen"
-    hard negatives over calls, and their ratio as "masked_fraction".
-    """
+    hard negatives over calls, and their ratio as "masked_fraction"."""
     rows = torch.arange(len(anchor)) if rows is None else rows
     masked = [0]  # hard negatives masked
     own_group = functools.partial(
@@ -960,8 +939,7 @@ def loss_skeleton(own_term, columns, rows, scale, similarity, matryoshka, distil
 
     rows:        (the rows of `columns` the terms are of, their indices into the batch's side data, and
                  the batch size dividing the sum of a per-row term: None keeps one term per row).
-    matryoshka:  (dims, weights); distill: (teacher scores, weight, temperature), as in `contrastive_loss`.
-    """
+    matryoshka:  (dims, weights); distill: (teacher scores, weight, temperature), as in `contrastive_loss`."""
     if similarity not in ("cos", "dot"):
         raise ValueError(f"similarity must be 'cos' or 'dot', got {similarity!r}")
     (local, side_rows, batch_size), (dims, weights) = rows, matryoshka
@@ -1048,16 +1026,15 @@ class FalseNegatives:
     """Which in-batch candidates are not negatives of a row, by identity and by margin: as the batch grows,
     duplicates of a row's positive sit among its "negatives". Masked candidates leave the row's softmax.
 
-    ids:      one integer tensor per column of the global batch, an id per text (equal texts, equal ids:
-              a hash of the text), all >= 0. A candidate is masked where it repeats the row's positive, or
-              where it is the positive of a row whose anchor repeats this row's anchor (in the reverse
-              direction: an anchor that repeats the row's anchor, or whose positive repeats the row's).
-    other_positives: with `ids`, the ids of each row's other right answers (the other positives its anchor
-              has in the data), B x P, -1 where a row has fewer: a candidate repeating one is masked too
-              (reverse: an anchor one of whose other positives is the row's positive).
-    margin:   mask candidates whose similarity exceeds the row's positive similarity + margin (absolute,
-              Qwen3-Embedding's 0.1), or `margin` x it (`relative`: NV-Retriever's 0.95). The threshold is
-              detached: it chooses the mask, it is not trained.
+    ids:      one integer tensor per column of the global batch, an id per text (equal texts, equal ids),
+              all >= 0. A candidate is masked where it repeats the row's positive, or is the positive of
+              a row whose anchor repeats this row's (reverse: an anchor that repeats the row's anchor, or
+              whose positive repeats the row's).
+    other_positives: with `ids`, B x P ids of each row's other right answers, -1 where a row has fewer:
+              a candidate repeating one is masked too (reverse: an anchor with the row's positive among
+              its other positives).
+    margin:   mask candidates scoring above the row's positive + margin (Qwen3-Embedding's 0.1), or
+              `margin` x it (`relative`: NV-Retriever's 0.95); the threshold is detached.
     guide:    a frozen guide model's representations of every column (GIST), never trained: a candidate
               that the guide scores (cosine) above its score of the row's positive + `guide_margin` is masked.
     """
@@ -1095,8 +1072,8 @@ class FalseNegatives:
             guide_anchor, guide_positive, *_ = self.guide_columns(anchor.device)
             guide_thresholds = (guide_anchor[rows] * guide_positive[rows]).sum(-1) + self.guide_margin
             guide_candidates = self.normalized_guide[anchor.device][1]
-            guided = GuideScores(guide_anchor[rows], guide_candidates, guide_thresholds)
-            reverse_guided = GuideScores(guide_positive[rows], guide_anchor, guide_thresholds)
+            guided = (guide_anchor[rows], guide_candidates, guide_thresholds)
+            reverse_guided = (guide_positive[rows], guide_anchor, guide_thresholds)
         return TileMask(query_ids, key_ids, thresholds, guided), TileMask(
             reverse_query_ids, reverse_key_ids, thresholds, reverse_guided
         )
@@ -1153,7 +1130,7 @@ class TileMask:
     query_ids: torch.Tensor | None  # per query row: (its own id, the ids of its right answers...)
     key_ids: torch.Tensor | None  # per key: (its id, the ids of the texts it answers..., or -1)
     thresholds: torch.Tensor | None  # per query row, in scaled scores
-    guided: "GuideScores | None" = None
+    guided: tuple | None = None  # a guide model's (queries, keys, per query row the score masked above)
     masked: torch.Tensor | int = 0  # counted in forward
     seen: int = 0
 
@@ -1169,19 +1146,10 @@ class TileMask:
         if self.thresholds is not None:
             mask |= scores > self.thresholds[rows, None]
         if self.guided is not None:
-            guide = self.guided
-            mask |= guide.queries[rows] @ guide.keys[columns].T > guide.thresholds[rows, None]
+            guide_queries, guide_keys, guide_thresholds = self.guided
+            mask |= guide_queries[rows] @ guide_keys[columns].T > guide_thresholds[rows, None]
         mask[local, targets] = False
         return mask
-
-
-class GuideScores(typing.NamedTuple):
-    """A guide model's normalized representations of a tile mask's queries and keys, and per query row the
-    score above which a key is masked."""
-
-    queries: torch.Tensor
-    keys: torch.Tensor
-    thresholds: torch.Tensor
 
 
 # --- Tiles: the B x N scores, never held at once ---------------------------------------------------------
@@ -1213,8 +1181,7 @@ class TiledCrossEntropy(torch.autograd.Function):
                G_IJ = g_I (P_IJ - Y_IJ), and  dQ_I += tau G_IJ K_J,   dK_J += G_IJ^T (tau Q_I).
     Memory: Q, K, their gradients, two floats per row (m and l: LSE = m + log l would round to its
     magnitude's precision, and so would every P) and one tile. Compute: four matrix products of the score
-    matrix's size instead of three. P - Y is formed in the tile: a nearly one-hot row keeps its digits.
-    """
+    matrix's size instead of three. P - Y is formed in the tile: a nearly one-hot row keeps its digits."""
 
     @staticmethod
     def forward(ctx, queries, keys, first_target, scale, tile_size, mask=None, hits=None):
