@@ -64,9 +64,7 @@ __all__ += ["check_loss_takes_local_rows", "gather_from_all_processes", "largest
 __all__ += ["any_process", "collective_device"]
 
 
-# =========================================================================================================
-# Part I. The step
-# =========================================================================================================
+# ============================== Part I. The step =========================================================
 @dataclasses.dataclass
 class StepReport:
     loss: torch.Tensor  # detached full-batch loss (the global batch's with cross-process negatives)
@@ -309,7 +307,7 @@ def global_batch_gradients(loss_fn, leaves):
     # DDP and DeepSpeed average over processes: each holds 1/world of the global gradient, so scale back.
     world_size = dist.get_world_size()
     rep_grads = [
-        grad.view_as(rows)[local_rows] * world_size for grad, rows in zip(summed_grads, batch, strict=True)
+        g.view_as(rows)[local_rows] * world_size for g, rows in zip(summed_grads, batch, strict=True)
     ]
     return loss, rep_grads
 
@@ -365,9 +363,8 @@ class RowChunks:
     def __call__(self, g, group, is_last):
         [(_, index, padding)] = group
         pieces = [column_pieces(None if n is None else n[index], len(index)) for n in self.counted]
-        encoded = self.encode(
-            [Chunk(c, index[p], padding) for c, column in enumerate(pieces) for p in column]
-        )
+        chunks = [Chunk(c, index[p], padding) for c, column in enumerate(pieces) for p in column]
+        encoded = self.encode(chunks)
         reps, repeated = rows_in_order(encoded, pieces, len(index))
         self.forwards += len(encoded)
         with torch.autocast(reps[0].device.type, enabled=False):
@@ -794,10 +791,8 @@ def check_examples_independent(module):
 def accelerate_sync_context(accelerator, *models):
     """`sync_context` for accelerate: only the last chunk of the last outer micro-batch synchronizes.
 
-    `accelerator.sync_gradients` is False for every other chunk: accelerate's DeepSpeed wrapper then
-    neither reduces at the boundary nor steps, so DeepSpeed steps once per batch. Under DDP the other
-    chunks run in `accelerator.no_sync(model)`, saving N - 1 all-reduces. An outer
-    `accelerator.accumulate()` that is not syncing keeps every chunk unsynchronized."""
+    `accelerator.sync_gradients` is False for every other chunk, so DeepSpeed neither reduces nor steps
+    there; under DDP they run in `accelerator.no_sync(model)`, saving N - 1 all-reduces."""
 
     @contextlib.contextmanager
     def sync_context(is_last):
@@ -816,9 +811,7 @@ def accelerate_sync_context(accelerator, *models):
     return sync_context
 
 
-# =========================================================================================================
-# Part II. The loss of stage 2: any loss(*reps) -> scalar works; reps come in column order
-# =========================================================================================================
+# ===== Part II. The loss of stage 2: any loss(*reps) -> scalar works; reps come in column order =====
 def contrastive_loss(
     anchor,
     positive,
@@ -867,15 +860,11 @@ def contrastive_loss(
     hits = [0, 0] if stats is not None else None  # anchors whose positive scores highest, anchors
     in_batch = functools.partial(info_nce, scale=scale, symmetric=symmetric, rows=rows, tile_size=tile_size)
     in_batch = functools.partial(in_batch, false_negatives=false_negatives, counts=counts, hits=hits)
-    loss, terms = loss_skeleton(
-        in_batch,
-        [anchor, positive, *negatives],
-        (rows, rows, len(anchor)),  # the rows computed, their side data; a per-row term summed over B
-        scale,
-        similarity,
-        (matryoshka_dims, matryoshka_weights),
-        (teacher_scores, distill_weight, distill_temperature),
-    )
+    matryoshka = (matryoshka_dims, matryoshka_weights)
+    distill = (teacher_scores, distill_weight, distill_temperature)
+    rows_of_terms = (rows, rows, len(anchor))  # the rows computed, their side data; a per-row term summed / B
+    columns = [anchor, positive, *negatives]
+    loss, terms = loss_skeleton(in_batch, columns, rows_of_terms, scale, similarity, matryoshka, distill)
     if stats is not None:
         stats["masked_fraction"] = float(counts[0]) / max(counts[1], 1)
         stats["accuracy"] = float(hits[0]) / max(hits[1], 1)
@@ -916,15 +905,11 @@ def group_loss(
     own_group = functools.partial(
         group_terms, scale=scale, rows=rows, false_negatives=false_negatives, masked=masked
     )
-    terms, _ = loss_skeleton(
-        own_group,
-        [anchor, positive, *negatives],
-        (slice(None), rows, None),  # every row held, its side data at `rows`; one term per row
-        scale,
-        similarity,
-        (matryoshka_dims, matryoshka_weights),
-        (teacher_scores, distill_weight, distill_temperature),
-    )
+    matryoshka = (matryoshka_dims, matryoshka_weights)
+    distill = (teacher_scores, distill_weight, distill_temperature)
+    rows_of_terms = (slice(None), rows, None)  # every row held, its side data at `rows`; one term per row
+    columns = [anchor, positive, *negatives]
+    terms, _ = loss_skeleton(own_group, columns, rows_of_terms, scale, similarity, matryoshka, distill)
     if stats is not None:
         stats["masked"] = stats.get("masked", 0) + int(masked[0])
         stats["seen"] = stats.get("seen", 0) + len(anchor) * len(negatives) * len(matryoshka_dims or [0])
