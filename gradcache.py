@@ -28,10 +28,9 @@ a chunk holds `chunk_size` examples or what fits in `chunk_tokens` padded tokens
 one plan (`plan_step`: under ZeRO-2/3 every pass is a collective). Without in-batch negatives the loss is
 a sum of per-row terms: `group_step` back-propagates each chunk of rows as it is encoded, no cache.
 
-Two guards: a loss or representation gradient that is not finite is found after stage 2, nothing is
-back-propagated and the report says `skipped`; a chunk that runs out of memory raises `ChunkOutOfMemory`
-on every process together (a one-number all-reduce), naming a chunk size that fits, or, inside a
-collective pass, with `agreed=False` on its own: the trainer must end the job.
+Two guards: a loss or representation gradient that is not finite is found after stage 2 and the report
+says `skipped`, nothing back-propagated; a chunk that runs out of memory raises `ChunkOutOfMemory`, naming
+a chunk size that fits, on every process together, or inside a collective pass alone (`agreed=False`).
 
 Torch alone: the framework enters through `backward(surrogate)` (`accelerator.backward`: the fp16 loss
 scale, DeepSpeed's step) and `sync_context(is_last)` (`accelerate_sync_context`).
@@ -163,22 +162,19 @@ def group_step(
 ) -> StepReport:
     """Accumulate into `.grad` the exact gradient of a loss where each anchor sees only its own group.
 
-    Without in-batch negatives (FlagEmbedding's no_in_batch_neg, NeMo's embedding recipes), anchor i is
-    scored against its own positive and hard negatives only: L = (1 / B) sum_i l(a_i, p_i, n_i1..n_ik), a
-    sum of per-row terms. A chunk of rows, encoded in every column, holds all its terms' inputs, so it is
-    back-propagated at once: encoded once, with grad (each column's texts in GROUP_FORWARDS forwards,
-    longest first: `column_pieces`), no second forward, no cached gradients.
+    Without in-batch negatives (FlagEmbedding's no_in_batch_neg, NeMo's embedding recipes) the loss is a
+    sum of per-row terms, L = (1 / B) sum_i l(a_i, p_i, n_i1..n_ik): a chunk of rows, encoded in every
+    column (each column's texts in GROUP_FORWARDS forwards, longest first), holds all its terms' inputs
+    and is back-propagated at once. No second forward, no cached gradients.
 
-    loss_fn:      loss(*reps, rows=index) -> one term per row of a chunk (reps in column order, `index`
-                  the rows in the batch, to read side data such as teacher scores): `group_loss`. The step
-                  divides their sum by the batch size.
-    chunk_size:   rows per chunk (c texts per column); chunk_tokens: padded tokens per chunk, all columns
-                  together, as if every text of a row were as long as its longest.
+    loss_fn:      loss(*reps, rows=index) -> one term per row of a chunk (`index`: the rows in the batch,
+                  for side data such as teacher scores): `group_loss`. The step divides by the batch size.
+    chunk_size:   rows per chunk; chunk_tokens: padded tokens per chunk, all columns together, as if every
+                  text of a row were as long as its longest.
     The others are `gradcache_step`'s; under DDP give `encode_group` even for one shared encoder (a chunk's
-    columns must go through one forward before its backward: train.Towers). The processes agree on an
-    out-of-memory or a loss that is not finite before the last backward; then nothing more is
-    back-propagated and the report says `skipped`: the trainer must clear the partial gradients (DeepSpeed's
-    own buffers cannot be: train.py stops there)."""
+    columns must go through one forward before its backward: train.Towers). A loss that is not finite is
+    found before the last backward: nothing more is back-propagated, the report says `skipped`, and the
+    trainer must clear the partial gradients (DeepSpeed's buffers cannot be: train.py stops there)."""
     columns = list(columns)
     limits, by_tokens = chunk_limits(chunk_size, chunk_tokens, 1)  # one per row: all its columns together
     every_column = (limits * len(columns), by_tokens)
@@ -236,8 +232,8 @@ def group_encoder(columns, encoders, encode_group, select, get_rep):
 
 def backpropagate_in_turn(groups, backpropagate_group, sync_context, out_of_memory):
     """Stage 3's loop, and group_step's: `backpropagate_group(g, group, is_last)` in each group's sync
-    context, until it returns True. Only the last backward synchronizes; the processes agree on any
-    out-of-memory before it, since the others would wait in its all-reduce."""
+    context, until it returns True. The processes agree on any out-of-memory before the last backward, the
+    one that synchronizes: the others would wait in its all-reduce."""
     for g, group in enumerate(groups):
         is_last = g == len(groups) - 1
         if is_last:
@@ -252,11 +248,10 @@ def backpropagate_in_turn(groups, backpropagate_group, sync_context, out_of_memo
 
 # --- The three stages ------------------------------------------------------------------------------------
 def encode_without_grad(groups, encode, columns, sync_context, kept_sync):
-    """Stage 1: every group encoded without grad; its representations cached, its RNG state kept.
-
-    The cache is one fp32 buffer per column, in batch order: one allocation, where small chunk tensors
-    would fragment the heap. The last group is encoded with grad (its sync context entered into
-    `kept_sync`). Returns (cache, RNG states, the last group's representations or None)."""
+    """Stage 1: every group encoded without grad; its representations cached, its RNG state kept. The cache
+    is one fp32 buffer per column, in batch order (small chunk tensors would fragment the heap). The last
+    group is encoded with grad, its sync context entered into `kept_sync`. Returns (cache, RNG states, the
+    last group's representations or None)."""
     cache, rng_states, reps = [None] * len(columns), [], None
     for g, group in enumerate(groups):
         rng_states.append(RngState.capture())
@@ -288,12 +283,10 @@ def cache_representation_gradients(loss_fn, cache, cross_process_negatives):
 
 
 def global_batch_gradients(loss_fn, leaves):
-    """Stage 2 across processes: local rows against global columns.
-
-    Each process gathers every process's columns (detached) and computes its share L_r of the global loss,
-    `loss_fn(*global_columns, local_rows=slice)`. The gradient of a representation is the sum over
-    processes of dL_r/dr: one all-reduce carries them all, and the shares. Cost per process: O(B_local x
-    B_global)."""
+    """Stage 2 across processes: local rows against global columns. Each process gathers every process's
+    columns (detached) and computes its share L_r of the loss, `loss_fn(*global_columns, local_rows=slice)`;
+    a representation's gradient is the sum over processes of dL_r/dr: one all-reduce carries them all, and
+    the shares. Cost per process: O(B_local x B_global)."""
     gathered = [gather_from_all_processes(leaf) for leaf in leaves]
     sizes = [len(rows) for rows in gathered[0]]
     first = sum(sizes[: dist.get_rank()])
@@ -323,8 +316,7 @@ def spans_processes(cross_process_negatives):
 
 
 def stage_two_report(loss, rep_grads, groups, reencoded):
-    """The step's report after stage 2: `skipped` where the loss or a representation gradient is not
-    finite on any process."""
+    """The report after stage 2: `skipped` where a loss or representation gradient is not finite anywhere."""
     norm = float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in rep_grads])))
     report = StepReport(loss, sum(map(len, groups)), sum(map(len, reencoded)), norm)
     finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(g).all()) for g in rep_grads)
@@ -445,9 +437,8 @@ def refinements(**switches):
 
 # --- The chunk plan: the same passes on every process ----------------------------------------------------
 class Chunk(typing.NamedTuple):
-    """Examples `index` of column `column`, encoded in one forward. A padding chunk repeats one example
-    so that this process runs as many passes as the others: it is encoded and back-propagated with a zero
-    weight, and never enters the loss."""
+    """Examples `index` of column `column`, encoded in one forward. A padding chunk repeats one example so
+    that this process runs as many passes as the others: zero weight in the backward, never in the loss."""
 
     column: int
     index: torch.Tensor
@@ -458,11 +449,10 @@ def plan_step(columns, limits, by_tokens, lengths, together):
     """The step's groups (what one backward covers), the same in number and shape on every process.
 
     Each column is planned alone (`plan_chunks`); the processes agree on each column's number of chunks
-    (the largest any planned: one all-reduce), and one that planned fewer halves its largest chunks until
-    it has as many (halving never exceeds the budget), then adds padding chunks. A shared encoder makes
-    one group per chunk; separate towers (`together`) one chunk of every column per group, every column
-    as many chunks: under ZeRO-3 each backward must reach every tower (else a tower's first gradient lands
-    on a stale one: DeepSpeed issue #1355), under DDP each must see the same parameters on every process."""
+    (the largest any planned: one all-reduce), and one that planned fewer halves its largest chunks (never
+    over the budget), then adds padding chunks. A shared encoder makes one group per chunk; separate towers
+    (`together`) one chunk of every column per group: under ZeRO-3 each backward must reach every tower
+    (DeepSpeed issue #1355), under DDP see the same parameters on every process."""
     limit_name = "chunk_tokens" if by_tokens else "chunk_size"
     counted = [example_lengths(column, n) for column, n in zip(columns, lengths, strict=True)]
     plans = [
@@ -506,13 +496,11 @@ def split_to(plan, count, lengths):
 
 
 def plan_chunks(column, chunk_size=None, *, chunk_tokens=None, lengths=None):
-    """Index tensors splitting a column into chunks: of at most `chunk_size` examples, or of at most
-    `chunk_tokens` padded tokens (examples x the chunk's longest); exactly one of the two.
-
-    With `lengths` (tokens per example; default: from a features dict's attention mask) and
-    `Refinements.sort_by_length`, examples go longest first (stable): each chunk trims its own padding, and
-    a chunk size that does not fit fails at once. A token budget takes, in that order, as many examples as
-    fit; an example longer than the budget gets a chunk of its own."""
+    """Index tensors splitting a column into chunks of at most `chunk_size` examples, or of at most
+    `chunk_tokens` padded tokens (examples x the chunk's longest); exactly one of the two. With `lengths`
+    (default: a features dict's attention mask) and `Refinements.sort_by_length`, examples go longest first
+    (stable): each chunk trims its own padding, and a chunk size that does not fit fails at once. An example
+    longer than the token budget gets a chunk of its own."""
     if (chunk_size is None) == (chunk_tokens is None):
         raise ValueError("pass one of chunk_size (examples per chunk) and chunk_tokens (padded tokens).")
     batch_size = batch_size_of(column)
@@ -559,9 +547,8 @@ def select_examples(column, index):
     """The examples `index` of a column, with padding columns that no selected example uses trimmed.
 
     Non-tensor entries (sentence-transformers' `'modality'`) and 0-d tensors pass through. Trailing padding
-    is trimmed; leading padding too when the chunk is left-padded (decoder-only models). The chunk is then
-    what tokenizing its texts alone gives, as sentence-transformers encodes a batch (positions counted from
-    the first column shift; rotary positions, relative, do not feel it)."""
+    is trimmed, leading padding too when left-padded (decoder-only models): the chunk is what tokenizing
+    its texts alone gives, as sentence-transformers encodes a batch."""
     if isinstance(column, torch.Tensor):
         return column[index.to(column.device)]
     if not isinstance(column, Mapping):
@@ -584,10 +571,8 @@ def select_examples(column, index):
 
 def tokenize_per_chunk(tokenize):
     """`select` for columns of raw texts: `tokenize(texts)` runs on the texts of each chunk as it is encoded.
-
     `tokenize` turns a list of texts into the encoder's input, padded to its longest (a sentence-transformers
-    model's `preprocess`, then a move to the device); the batch is never tokenized as a whole. Give
-    `gradcache_step` each column's token counts as `lengths`, to sort and budget the chunks."""
+    model's `preprocess`, then a move to the device). Give `gradcache_step` the token counts as `lengths`."""
 
     def select(texts, index):
         features = tokenize([texts[i] for i in index.tolist()])
@@ -674,12 +659,10 @@ class ChunkOutOfMemory(RuntimeError):
 
 class OutOfMemory:
     """The out-of-memory protocol of one step: every process raises `ChunkOutOfMemory` together, or the job
-    ends; no process is left waiting in a collective the others will not reach.
-
-    `watch()` notes an out-of-memory in a pass and lets the step go on, computing nothing, to the next
-    `agree()` (before stage 2, before the synchronizing backward): one all-reduce tells every process. A
-    pass that is a collective itself (the synchronizing backward; every pass with `agree=False`) raises at
-    once, unagreed."""
+    ends; no process is left waiting in a collective the others will not reach. `watch()` notes an
+    out-of-memory and lets the step go on, computing nothing, to the next `agree()` (before stage 2, before
+    the synchronizing backward): one all-reduce tells every process. A pass that is a collective itself
+    (the synchronizing backward; every pass with `agree=False`) raises at once, unagreed."""
 
     def __init__(self, agree, limits, by_tokens):
         self.agree_with_others, self.limits, self.by_tokens = agree, limits, by_tokens
@@ -770,10 +753,8 @@ def check_loss_takes_local_rows(loss_fn, cross_process_negatives):
 
 
 def check_examples_independent(module):
-    """Raise if `module` mixes examples across the batch (BatchNorm in training mode).
-
-    Such a layer computes different outputs for a chunk than for the full batch, so no chunked gradient
-    can equal the full-batch one. BatchNorm in eval mode uses running statistics and is fine."""
+    """Raise if `module` mixes examples across the batch (BatchNorm in training mode): a chunk's outputs
+    would differ from the full batch's, so no chunked gradient could equal the full-batch one."""
     mixing = [
         name or type(module).__name__
         for name, layer in module.named_modules()
@@ -896,15 +877,12 @@ def group_loss(
         l_i = LSE_j(s_ij) - s_i0,   s_i0 = tau <a_i, p_i>,  s_ij = tau <a_i, n_ij>   (j = 1..k)
 
     The scores are rows x (1 + k), never rows x N. The options are `contrastive_loss`'s; `rows` are the
-    indices in the batch of the rows these representations hold (a chunk's), to read the per-row side data:
-    `false_negatives` (a hard negative that repeats the row's positive or one of its other positives, or
-    scores above the margin, leaves the group), `teacher_scores`. `stats` accumulates "masked" and "seen"
-    hard negatives over calls, and their ratio as "masked_fraction"."""
+    batch's indices of the rows these representations hold (a chunk's), to read `false_negatives` and
+    `teacher_scores`. `stats` accumulates "masked" and "seen" hard negatives, and "masked_fraction"."""
     rows = torch.arange(len(anchor)) if rows is None else rows
     masked = [0]  # hard negatives masked
-    own_group = functools.partial(
-        group_terms, scale=scale, rows=rows, false_negatives=false_negatives, masked=masked
-    )
+    own_group = functools.partial(group_terms, scale=scale, rows=rows)
+    own_group = functools.partial(own_group, false_negatives=false_negatives, masked=masked)
     matryoshka = (matryoshka_dims, matryoshka_weights)
     distill = (teacher_scores, distill_weight, distill_temperature)
     rows_of_terms = (slice(None), rows, None)  # every row held, its side data at `rows`; one term per row
@@ -1030,8 +1008,7 @@ class FalseNegatives:
     other_positives: torch.Tensor | None = None
     guide: Sequence | None = None
     guide_margin: float = 0.0
-    # The guide's columns normalized, once per batch: each Matryoshka dimension's loss call, each chunk's
-    # group_loss call, would otherwise hold its own copy of the whole batch's until backward.
+    # The guide's columns normalized once per batch, not once per Matryoshka size or group_loss chunk.
     normalized_guide: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def tile_masks(self, anchor, positive, num_negatives, rows, scale):
@@ -1107,10 +1084,8 @@ class FalseNegatives:
 
 @dataclasses.dataclass
 class TileMask:
-    """The entries of a score tile that leave the softmax: built the same way in forward and backward.
-
-    A key is masked for a query where the key's id is one of the query's right answers, or the query's id
-    is one of the texts the key answers; -1 fills both lists (ids are >= 0) and matches nothing."""
+    """The entries of a score tile that leave the softmax, the same in forward and backward: a key whose
+    id is one of the query's right answers, or that answers the query's id (-1 fills both, matching none)."""
 
     query_ids: torch.Tensor | None  # per query row: (its own id, the ids of its right answers...)
     key_ids: torch.Tensor | None  # per key: (its id, the ids of the texts it answers..., or -1)
@@ -1154,9 +1129,8 @@ def default_tile_size(rows, columns):
 
 
 class TiledCrossEntropy(torch.autograd.Function):
-    """Cross-entropy of each row of S = tau Q K^T against its target column, from T x T tiles.
-
-    Inf-CL (Cheng et al. 2024), with Y the one-hot targets, t(i) = first_target + i:
+    """Cross-entropy of each row of S = tau Q K^T against its target column t(i) = first_target + i (Y the
+    one-hot targets), from T x T tiles: Inf-CL (Cheng et al. 2024).
 
     Forward:   for each row tile I and column tile J, S_IJ = (tau Q_I) K_J^T is folded into an online
                log-sum-exp: a running maximum m_I and sum l_I of exp(S - m_I), the sum rescaled by
