@@ -595,9 +595,8 @@ class RngState:
 
     @classmethod
     def capture(cls):
-        return cls(
-            torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
-        )
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+        return cls(torch.get_rng_state(), cuda)
 
     @contextlib.contextmanager
     def replay(self):
@@ -648,9 +647,8 @@ def collective_device():
 
 
 class ChunkOutOfMemory(RuntimeError):
-    """A chunk did not fit. Nothing of the step is left in memory; gradients may hold part of it.
-    `agreed`: every process raised it together. When False this process ran out alone where the others may
-    wait in a collective it will never join (a synchronizing backward, any pass under ZeRO-3): end the job."""
+    """A chunk did not fit; gradients may hold part of the step. `agreed`: every process raised it together;
+    False: this one alone, the others maybe waiting in a collective it will never join: end the job."""
 
     def __init__(self, message, agreed=True):
         super().__init__(message)
