@@ -30,7 +30,7 @@ the list of what is supported together; the README points here.
 Rows 4-6 run the first three again without in-batch negatives (`gradcache.group_step`), on the same
 chunk plan agreement and tower grouping. Rows of two sources (several --data, each with its flags) take
 their steps from the row's source and from pairs with a query prompt of their own and in-batch negatives
-in turn, as train.py's SourceMix deals steps: the number of columns, the prompt and the step function
+in turn, as pairs.py's SourceMix deals steps: the number of columns, the prompt and the step function
 (group_step, gradcache_step) change from one step to the next under the same engine.
 
     .venv/bin/python -m pytest -q tests/test_matrix.py
