@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
-from references import exactness, materialized_contrastive_loss
+from references import StageOneRecorder, exactness, materialized_contrastive_loss
 from torch import nn
 
 from gradcache import accelerate_sync_context, contrastive_loss, gradcache_step, select_examples
@@ -68,6 +68,7 @@ class Case:
     symmetric: bool = False  # the loss adds the positive -> anchor direction
     matryoshka_dims: tuple = ()  # the loss sums over these renormalized prefixes (of the 8 dimensions)
     uneven: bool = False  # cross-process negatives only: rank 0 holds a row less, the last rank one more
+    dropout: float = 0.0  # each rank draws its own masks (its own seed): see `record_stage_one`
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -77,17 +78,18 @@ class Case:
 
 class TinyEncoder(nn.Module):
     """Embedding, a tanh layer, masked mean pooling and a projection, with sentence-transformers' interface:
-    a features dict in, `{'sentence_embedding': ...}` out. No dropout, so that processes need not share RNG.
+    a features dict in, `{'sentence_embedding': ...}` out. Dropout (off unless a case asks) after the tanh.
     """
 
-    def __init__(self, width=16, out_features=8):
+    def __init__(self, width=16, out_features=8, dropout=0.0):
         super().__init__()
         self.embed = nn.Embedding(VOCAB_SIZE, width)
         self.hidden = nn.Linear(width, width)
+        self.dropout = nn.Dropout(dropout)
         self.project = nn.Linear(width, out_features)
 
     def forward(self, features):
-        hidden = torch.tanh(self.hidden(self.embed(features["input_ids"])))
+        hidden = self.dropout(torch.tanh(self.hidden(self.embed(features["input_ids"]))))
         mask = features["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1)
         return {"sentence_embedding": self.project(pooled)}
@@ -107,7 +109,8 @@ class TwoTowers(nn.Module):
 
 def make_model(case):
     torch.manual_seed(MODEL_SEED)
-    return TwoTowers() if case.two_towers else TinyEncoder()
+    assert not (case.two_towers and case.dropout), "dropout cases use the shared encoder"
+    return TwoTowers() if case.two_towers else TinyEncoder(dropout=case.dropout)
 
 
 def tower_names(case):
@@ -440,10 +443,14 @@ def run_under_accelerate(case, accelerator):
         sync_argument["sync_context"] = accelerate_sync_context(accelerator, *models)
 
     losses, steps_after_micro_batch, allreduces_per_step = [], [], []
-    for columns in make_micro_batches(case):
+    recorder = StageOneRecorder()
+    torch.manual_seed(DATA_SEED + accelerator.process_index)  # dropout: every rank its own masks
+    for micro_batch, columns in enumerate(make_micro_batches(case)):
         columns = to_device(shard(columns, accelerator.process_index, case), accelerator.device)
+        # The first step of a dropout case through the recorder: what stage 1 encoded, from which RNG state.
+        step = recorder.step if case.dropout and micro_batch == 0 else gradcache_step
         with accelerator.accumulate(*models):
-            report = gradcache_step(
+            report = step(
                 encoders,
                 columns,
                 loss_function(case),
@@ -465,6 +472,7 @@ def run_under_accelerate(case, accelerator):
 
     result = {
         "losses": losses,
+        "stage_one": (recorder.calls, recorder.batch_sizes) if case.dropout else None,
         "first_grads": first["grads"],
         "final_weights": full_weights(model, engine),
         "steps_after_micro_batch": steps_after_micro_batch,

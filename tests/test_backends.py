@@ -9,7 +9,10 @@ launch per backend and process count (three processes: tests/test_matrix.py); th
 process. A case named "-cross" contrasts with the examples of every process (cross-process negatives: each
 process computes its own rows of the loss, tiled, against everyone's candidates); "-symmetric-matryoshka"
 adds the reverse direction and Matryoshka prefixes; "-uneven" gives the ranks different batch sizes;
-"-accumulate2" runs two micro-batches per optimizer step in `accelerator.accumulate()`.
+"-accumulate2" runs two micro-batches per optimizer step in `accelerator.accumulate()`; "-dropout" draws
+dropout masks on each of two processes from a seed of its own, against a replay of what each stage 1 encoded.
+Every fp32 comparison is tests/references.py's rule: the float64 reference is the truth, and the run must be
+as close to it as the float32 reference is.
 
     .venv/bin/python -m pytest -q tests/test_backends.py
 
@@ -17,6 +20,7 @@ fp16 runs end to end only on a GPU: here the loss scale is checked with a CPU Gr
 bench/gpu_check.py runs accelerate's GradScaler and DeepSpeed's fp16 on CUDA.
 """
 
+import functools
 import math
 import subprocess
 import sys
@@ -36,6 +40,7 @@ from backend_worker import (
     initial_weights,
     launch,
     load_results,
+    loss_options,
     make_micro_batches,
     make_model,
     markdown_table,
@@ -45,7 +50,13 @@ from backend_worker import (
     updates,
     within,
 )
-from references import assert_exact
+from references import (
+    Exactness,
+    StageOneRecorder,
+    assert_exact,
+    materialized_contrastive_loss,
+    relative_error,
+)
 
 from gradcache import accelerate_sync_context, gradcache_step
 
@@ -88,7 +99,9 @@ BF16_CASES = [
 ]
 # Negative control: accelerator.backward on every chunk with no sync context makes DeepSpeed step per chunk.
 WITHOUT_SYNC_CONTEXT = Case("zero2-2proc-without-sync-context", 2, 2, use_sync_context=False)
-ALL_CASES = [*FP32_CASES, *BF16_CASES, WITHOUT_SYNC_CONTEXT]
+# Dropout on two processes, each drawing its own masks: against a replay of what each one's stage 1 encoded.
+DROPOUT = Case("ddp-2proc-dropout", world_size=2, dropout=0.2)
+ALL_CASES = [*FP32_CASES, *BF16_CASES, WITHOUT_SYNC_CONTEXT, DROPOUT]
 DDP_CASES = [case for case in ALL_CASES if case.world_size > 1 and case.zero_stage is None]
 
 LAUNCH_ENVIRONMENT = {
@@ -179,6 +192,37 @@ def test_without_sync_context_deepspeed_steps_on_every_chunk(runs):
         assert run["deepspeed_global_steps"] == NUM_STEPS * backward_calls_per_batch
     assert not comparison["steps_once_per_batch"]
     assert comparison["update"].error > 1e-2, str(comparison["update"])
+
+
+def replay_every_rank(ranks, dtype, rng_state=None):
+    """The first step's gradient as DDP averages it, from tests/references.py's StageOneRecorder: every rank's
+    stage-1 encodings replayed in this process (each from the RNG state recorded before it, so dropout draws
+    the same masks; or all from `rng_state`, the negative control), each rank's loss on its own rows
+    materialized and back-propagated through one graph, the sum divided by the number of ranks."""
+    model = make_model(DROPOUT).to(dtype)
+    loss_fn = functools.partial(materialized_contrastive_loss, **loss_options(DROPOUT))
+    for run in ranks:
+        recorder = StageOneRecorder()
+        calls, recorder.batch_sizes = run["stage_one"]
+        recorder.calls = [(state if rng_state is None else rng_state, entries) for state, entries in calls]
+        recorder.replay([model] * NUM_COLUMNS, loss_fn)
+    return {name: p.grad / len(ranks) for name, p in model.named_parameters()}
+
+
+def test_dropout_on_two_processes_is_replayed_exactly(runs):
+    ranks = runs(DROPOUT)
+    first_states = [run["stage_one"][0][0][0] for run in ranks]
+    assert not torch.equal(*first_states)  # the ranks drew from RNG states of their own
+    float32, truth = (replay_every_rank(ranks, dtype) for dtype in (torch.float32, torch.float64))
+    measured = assert_exact(ranks[0]["first_grads"], float32, truth, "the first step's gradients")
+    print(f"{DROPOUT.name}: {measured}")
+    # The negative control: other masks (every chunk replayed from one other RNG state) break the rule.
+    other_state = torch.Generator().manual_seed(7).get_state()
+    wrong = Exactness(
+        relative_error(ranks[0]["first_grads"], replay_every_rank(ranks, torch.float64, other_state)),
+        measured.e_ref,
+    )
+    assert not wrong.holds, f"the run matches other dropout masks: {wrong}"
 
 
 def test_cross_process_negatives_change_the_gradients(runs):
