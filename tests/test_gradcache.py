@@ -200,46 +200,38 @@ def test_without_rng_replay_dropout_makes_gradients_wrong():
     assert_gradients_inexact(modules, reference, "no RNG replay")
 
 
-def test_a_perturbed_cache_is_caught(monkeypatch):
-    """One row's cached representation gradient off by 1e-4 of the largest."""
+def perturb_one_row(rep_grads):
+    rep_grads[1][3] += 1e-4 * rep_grads[1].abs().max()
+    return rep_grads
+
+
+def swap_two_chunks(rep_grads):
+    rep_grads[1][:4], rep_grads[1][4:8] = rep_grads[1][4:8].clone(), rep_grads[1][:4].clone()
+    return rep_grads
+
+
+WRONG_CACHES = {  # name: (towers, what it does to the cached representation gradients)
+    # one row's cached representation gradient off by 1e-4 of the largest
+    "perturbed cache": (False, perturb_one_row),
+    "gradients scaled by 1 + 1e-4": (True, lambda rep_grads: [g * (1 + 1e-4) for g in rep_grads]),
+    # towers: the document tower's first chunk of positives back-propagates the second chunk's
+    # representation gradients (and the second the first's)
+    "towers, a chunk's gradients from another chunk": (True, swap_two_chunks),
+}
+
+
+@pytest.mark.parametrize("name", WRONG_CACHES)
+def test_a_wrong_cache_is_caught(name, monkeypatch):
+    towers, wrong = WRONG_CACHES[name]
     cache = gradcache.cache_representation_gradients
 
-    def perturbed(*args):
+    def wrong_cache(*args):
         loss, rep_grads = cache(*args)
-        rep_grads[1][3] += 1e-4 * rep_grads[1].abs().max()
-        return loss, rep_grads
+        return loss, wrong(rep_grads)
 
-    monkeypatch.setattr(gradcache, "cache_representation_gradients", perturbed)
-    modules, _, reference = run_gradcache(False, 1, 4, dropout=0.0, symmetric=False)
-    assert_gradients_inexact(modules, reference, "perturbed cache")
-
-
-def test_scaled_cache_gradients_are_caught(monkeypatch):
-    """Every cached representation gradient scaled by 1 + 1e-4."""
-    cache = gradcache.cache_representation_gradients
-
-    def scaled(*args):
-        loss, rep_grads = cache(*args)
-        return loss, [g * (1 + 1e-4) for g in rep_grads]
-
-    monkeypatch.setattr(gradcache, "cache_representation_gradients", scaled)
-    modules, _, reference = run_gradcache(True, 1, 4, dropout=0.0, symmetric=False)
-    assert_gradients_inexact(modules, reference, "gradients scaled by 1 + 1e-4")
-
-
-def test_towers_with_a_chunk_of_another_chunks_gradients_are_caught(monkeypatch):
-    """Towers: the document tower's first chunk of positives back-propagates the second chunk's
-    representation gradients (and the second the first's)."""
-    cache = gradcache.cache_representation_gradients
-
-    def swapped(*args):
-        loss, rep_grads = cache(*args)
-        rep_grads[1][:4], rep_grads[1][4:8] = rep_grads[1][4:8].clone(), rep_grads[1][:4].clone()
-        return loss, rep_grads
-
-    monkeypatch.setattr(gradcache, "cache_representation_gradients", swapped)
-    modules, _, reference = run_gradcache(True, 1, 4, dropout=0.0, symmetric=False)
-    assert_gradients_inexact(modules, reference, "towers, a chunk's gradients from another chunk")
+    monkeypatch.setattr(gradcache, "cache_representation_gradients", wrong_cache)
+    modules, _, reference = run_gradcache(towers, 1, 4, dropout=0.0, symmetric=False)
+    assert_gradients_inexact(modules, reference, name)
 
 
 def test_towers_with_their_gradients_swapped_are_caught():
