@@ -9,21 +9,26 @@ resumed run against an uninterrupted one.
 """
 
 import collections
+import itertools
 import json
 
 import datasets
 import pytest
 import torch
+from references import Exactness, assert_exact, assert_inexact, reference_objective, relative_error
 from test_train import (
     CONFIGS,
-    TOLERANCE,
+    DTYPES,
+    SGD_LR,
+    SGDInPlaceOfAdamW,
     fails_with,
     launch,
     launch_deepspeed,
     logged_scalars,
-    max_difference,
     run_main,
+    sgd_launch,
     sharded_loader,
+    updates,
     weights,
 )
 
@@ -189,23 +194,92 @@ def test_two_zero3_processes_on_two_sources_train_as_one_process_holding_the_glo
     """Two ZeRO-3 processes, 4 examples each, contrasted together, against one plain process with the batch
     of 8: the same steps from the same sources, the same weights. The sources differ in columns (a step
     of pairs has one column fewer: every process must run the same passes), prompts and distillation; the
-    chunks are token budgets, which the processes plan apart and agree on."""
-    steps = ("--max_steps", 4, "--max_grad_norm", 0)
+    chunks are token budgets, which the processes plan apart and agree on. Both runs are judged by
+    references.py's rule against the global batch's optimization replayed without gradcache, in float32 and
+    float64 (replay_two_sources), with the updates, losses and norms scaled by 1 + 1e-3 as the negative
+    controls. Both runs take SGD in place of AdamW (test_train.SGD_LR: AdamW turns rounding noise into
+    full steps)."""
+    steps = ("--max_steps", STEPS, "--max_grad_norm", 0)
     tokens = ("--chunk_tokens", 30)
     common = two_source_flags(model_without_dropout, sources, *steps, chunking=tokens, negatives="")
-    run_main(monkeypatch, *common, "--batch_size", 8, "--output_dir", tmp_path / "one")
+    common += ("--lr", SGD_LR)  # the last value of a flag counts
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.optim, "AdamW", SGDInPlaceOfAdamW)
+        run_main(monkeypatch, *common, "--batch_size", 8, "--output_dir", tmp_path / "one")
+    config, env = sgd_launch(tmp_path, CONFIGS / "deepspeed_zero3.yaml")
     launch_deepspeed(
-        CONFIGS / "deepspeed_zero3.yaml", tmp_path / "two", *common,
-        "--batch_size", 4, "--cross_process_negatives", processes=2,
+        config, tmp_path / "two", *common, "--batch_size", 4, "--cross_process_negatives",
+        processes=2, env=env,
     )  # fmt: skip
     one, two = logged_scalars(tmp_path / "one"), logged_scalars(tmp_path / "two")
+    float32, truth = (replay_two_sources(sources, model_without_dropout, dtype) for dtype in DTYPES)
     assert one["train/source"] == two["train/source"]
-    assert {int(v) for _, v in one["train/source"]} == {0, 1}
-    for tag in ("train/loss", "train/grad_norm"):  # the norm: DeepSpeed's engine against torch's
-        assert [v for _, v in two[tag]] == pytest.approx([v for _, v in one[tag]], rel=1e-5), tag
-    difference = max_difference(weights(tmp_path / "one" / "final"), weights(tmp_path / "two" / "final"))
-    print(f"two sources, ZeRO-3 x 2 against one process: max weight difference {difference:.2e}")
-    assert difference < TOLERANCE
+    assert [int(v) for _, v in one["train/source"]] == truth["sources"]
+    assert set(truth["sources"]) == {0, 1}
+    initial = weights(model_without_dropout)
+    # A reference that misses a feature must not pass for the run: without the first source's distillation
+    undistilled = replay_two_sources(sources, model_without_dropout, torch.float64, distill_weight=0.0)
+    for name, folder, logged in (("one process", "one", one), ("ZeRO-3 x 2", "two", two)):
+        run = updates(weights(tmp_path / folder / "final"), initial)
+        measured = assert_exact(run, float32["updates"], truth["updates"], f"{name}, updates")
+        scaled = {key: (1 + 1e-3) * update for key, update in run.items()}
+        control = assert_inexact(scaled, float32["updates"], truth["updates"], f"{name}, updates x 1.001")
+        print(f"two sources, {name}: updates {measured}; x (1 + 1e-3): {control.error:.1e}")
+        wrong = Exactness(relative_error(run, undistilled["updates"]), measured.e_ref)
+        assert not wrong.holds, f"{name} matches the reference without distillation: {wrong}"
+        print(f"two sources, {name}: against the reference without distillation {wrong.error:.1e}")
+        for tag, key in (("train/loss", "losses"), ("train/grad_norm", "grad_norms")):  # DeepSpeed's norm
+            values = [value for _, value in logged[tag]]
+            measured = assert_exact(values, float32[key], truth[key], f"{name}, {tag}")
+            wrong = [value * (1 + 1e-3) for value in values]
+            control = assert_inexact(wrong, float32[key], truth[key], f"{name}, {tag} x 1.001")
+            print(f"two sources, {name}: {tag} {measured}; x (1 + 1e-3): {control.error:.1e}")
+
+
+STEPS = 4
+
+
+def replay_two_sources(sources, model_folder, dtype, distill_weight=0.5):
+    """The one-process run of two_source_flags (batch 8, in-batch negatives, no hard negatives in the
+    second source, no clipping) without gradcache, in `dtype`: train.py's loader deals the global batches,
+    references.py's reference_objective scores each whole batch (distillation at `distill_weight`,
+    temperature 1, from the teacher's scores as train.py reads them, in float32, on the first source; the
+    query prompt "w1 " written before each anchor on the second), SGD at SGD_LR and train.py's linear
+    schedule (no warmup: round(0.1 x 4) = 0). Returns the sources of the steps, the losses, the gradient
+    norms and the updates."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import get_scheduler
+
+    scored, _ = train.load_pairs(str(sources[0]), "", teacher_scores=True)
+    named, _ = train.load_pairs(str(sources[1]), "anchor=query,positive=answer,negatives=")
+    loader = sharded_loader([scored, named], "--batch_size", 8, "--chunk_tokens", 30)
+    loader.set_epoch(0)
+    model = SentenceTransformer(str(model_folder), device="cpu").to(dtype).train()
+    initial = {name: w.detach().clone() for name, w in model.state_dict().items()}
+    sgd = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    scheduler = get_scheduler("linear", sgd, 0, STEPS)
+    replayed = {"sources": [], "losses": [], "grad_norms": []}
+    for batch in itertools.islice(loader, STEPS):
+        source = int(batch["source"][0])
+        columns = [column for column in ("anchor", "positive", "negative_1") if column in batch]
+        texts = [batch[column] for column in columns]
+        if source == 1:
+            texts[0] = ["w1 " + text for text in texts[0]]
+        reps = [model(dict(model.preprocess(column)))["sentence_embedding"] for column in texts]
+        teacher = None
+        if source == 0:
+            teacher = batch["teacher_scores"]
+            teacher = torch.stack(list(teacher), dim=1) if isinstance(teacher, list) else teacher
+            teacher = teacher.float()  # as train.py reads them
+        loss = reference_objective(
+            *reps, texts=texts, teacher=teacher, distill_weight=distill_weight, temperature=1.0
+        )
+        loss.backward()
+        replayed["grad_norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
+        replayed["losses"].append(float(loss.detach()))
+        replayed["sources"].append(source)
+        sgd.step(), scheduler.step(), sgd.zero_grad()
+    return replayed | {"updates": updates(model.state_dict(), initial)}
 
 
 # bf16 keeps 8 bits of mantissa: a loss within 5%, an update within 30% (in norm) of fp32's, as

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from references import assert_exact, assert_inexact
 from safetensors.torch import load_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,7 +34,6 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
 WORDS = [f"w{i}" for i in range(60)]
 ROWS = 48  # 6 batches of 8: 6 steps on one process, 3 on each of two
-TOLERANCE = 1e-5  # weights move ~1e-3 per step at lr 1e-3; chunking and ZeRO only reorder float sums
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -336,41 +336,72 @@ def test_chunked_run_reaches_sentence_transformers_full_batch_weights(
     references.py's rule. AdamW (train.py's optimizer) divides each gradient by its own root mean square, so
     a gradient that is rounding noise moves its weight by a full step either way: the float32 reference's
     distance to float64 counts that noise, and the rule's bound with it."""
-    from references import assert_exact
-
     initial = weights(model_without_dropout)
-    trained = [
-        replay_full_batch(data, model_without_dropout, dtype) for dtype in (torch.float32, torch.float64)
-    ]
-    float32, truth = ({name: w.double() - initial[name].double() for name, w in t.items()} for t in trained)
+    float32, truth = (full_batch_replay(data, model_without_dropout, dtype)["updates"] for dtype in DTYPES)
     chunked = weights(reference_runs[1] / "final")
-    run = {name: w.double() - initial[name].double() for name, w in chunked.items()}
+    run = updates(chunked, initial)
     measured = assert_exact(run, float32, truth, "chunk 3 against the full-batch loss, updates")
     print(f"chunk 3 vs sentence-transformers' full-batch loss: update {measured}")
     assert max_difference(chunked, initial) > 1e-4  # the weights did move: AdamW's steps are ~1e-3
 
 
-def replay_full_batch(data, model_folder, dtype):
-    """train.py's default optimization of the run's batches, on the full batch, in `dtype`: its weights."""
+DTYPES = (torch.float32, torch.float64)
+
+
+def updates(trained, initial):
+    """What training changed, in float64: comparing updates keeps the initial weights, which every run
+    shares, out of the relative error."""
+    return {name: w.double() - initial[name].double() for name, w in trained.items()}
+
+
+def full_batch_replay(data, model_folder, dtype, processes=1, sgd=False):
+    """replay_full_batch, once per module run and arguments (the DeepSpeed cases share it)."""
+    return _full_batch_replay(str(data[0]), str(model_folder), dtype, processes, sgd)
+
+
+@functools.cache
+def _full_batch_replay(data_file, model_folder, dtype, processes, sgd):
+    return replay_full_batch([Path(data_file)], model_folder, dtype, processes, sgd)
+
+
+def replay_full_batch(data, model_folder, dtype, processes=1, sgd=False):
+    """train.py's default optimization of the run's batches without gradcache, in `dtype`: each process's
+    batch as accelerate deals it, sentence-transformers' loss on each whole batch, their mean (what DDP
+    and DeepSpeed average the gradients of), torch's clipping, AdamW (`sgd`: plain SGD at SGD_LR) and linear
+    schedule (clipping at SGD_CLIP with it). Returns the weight updates (float64) and the losses and
+    gradient norms before clipping that train.py logs."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
     from transformers import get_scheduler
 
     model = SentenceTransformer(str(model_folder), device="cpu").to(dtype)
+    initial = {name: w.detach().clone() for name, w in model.state_dict().items()}
     loss_fn = MultipleNegativesRankingLoss(model, scale=20.0)
-    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    if sgd:
+        adamw = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    else:
+        adamw = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     steps = BACKEND_ARGS[BACKEND_ARGS.index("--max_steps") + 1]
     scheduler = get_scheduler("linear", adamw, 0, steps)  # warmup: round(0.1 * 3) = 0 steps
     train_data, _ = train.load_pairs(str(data[0]))
-    batches = iter(sharded_loader(train_data, "--batch_size", 8, "--chunk_size", 3))  # epoch 0, seed 42
+    flags = ("--batch_size", 8, "--chunk_size", 3)  # epoch 0, seed 42
+    batches = [
+        iter(sharded_loader(train_data, *flags, processes=processes, process_index=rank))
+        for rank in range(processes)
+    ]
     model.train()
+    losses, norms = [], []
     for _ in range(steps):
-        batch = next(batches)
-        loss = loss_fn([model.preprocess(batch[column]) for column in train_data.column_names], None)
+        loss = 0
+        for rank_batches in batches:
+            batch = next(rank_batches)
+            features = [model.preprocess(batch[column]) for column in train_data.column_names]
+            loss = loss + loss_fn(features, None) / processes
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), SGD_CLIP if sgd else CLIP)))
+        losses.append(float(loss.detach()))
         adamw.step(), scheduler.step(), adamw.zero_grad()
-    return model.state_dict()
+    return {"updates": updates(model.state_dict(), initial), "losses": losses, "grad_norms": norms}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -385,17 +416,57 @@ def engine_weights(checkpoint):
     return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="pytorch_model")
 
 
-def launch_deepspeed(config, output_dir, *args, processes):
+def launch_deepspeed(config, output_dir, *args, processes, env=None):
     """About 2 in 35 two-process DeepSpeed runs on CPU abort (SIGABRT, in gloo's threads) at interpreter exit,
     after the run finished: such a run counts when its final model was saved; any other failure is retried
     once from a clean folder."""
     for attempt in (1, 2):
-        done = launch(config, output_dir, *args, processes=processes, check=attempt == 2)
+        done = launch(config, output_dir, *args, processes=processes, env=env, check=attempt == 2)
         aborted_at_exit = "SIGABRT" in done.stderr or "terminate called" in done.stderr
         saved = (Path(output_dir) / "final" / "modules.json").is_file()
         if done.returncode == 0 or (aborted_at_exit and saved):
             return done
         shutil.rmtree(output_dir, ignore_errors=True)
+
+
+# Exactness runs take plain SGD in place of train.py's AdamW (which has no other optimizer): AdamW divides
+# each gradient by its own root mean square, so a gradient that is rounding noise (the attention keys' biases,
+# whose exact gradient is 0: a query's scores all shift by one constant) moves its weight by a full step of
+# random sign, in float32 and float64 alike, and the float32 reference's own distance to float64 was 1e-3 of
+# the largest update (measured): a bound of 4.5e-3, which an update 1 + 1e-3 times too large passed. AdamW is
+# also blind to a gradient's scale. SGD's update is the gradient itself. The rate is raised so that each
+# update stands far above the float32 rounding of the weights it is added to.
+SGD_LR = 0.1
+SGD_CLIP = 4.0  # at this rate the norm falls below CLIP after the first step: some steps clipped, some not
+SGD_SITECUSTOMIZE = """import torch
+
+
+class SGDInPlaceOfAdamW(torch.optim.SGD):  # written by tests/test_train.py: exactness runs
+    def __init__(self, params, lr=1e-3, weight_decay=0.0, **_):
+        super().__init__(params, lr=lr)
+
+
+torch.optim.AdamW = SGDInPlaceOfAdamW
+"""
+
+
+class SGDInPlaceOfAdamW(torch.optim.SGD):
+    """What SGD_SITECUSTOMIZE puts in place of torch.optim.AdamW, for runs in this process."""
+
+    def __init__(self, params, lr=1e-3, weight_decay=0.0, **_):
+        super().__init__(params, lr=lr)
+
+
+def sgd_launch(folder, config):
+    """(config, env) for a launch of train.py with SGD in place of AdamW: a sitecustomize.py on the launched
+    processes' PYTHONPATH, and the DeepSpeed config allowing an optimizer ZeRO has not tested (and keeping it
+    under offload)."""
+    site = folder / "sgd_sitecustomize"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(SGD_SITECUSTOMIZE)
+    python_path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    options = {"zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
+    return deepspeed_config_with(folder, config, options), {"PYTHONPATH": python_path}
 
 
 @pytest.mark.parametrize(
@@ -412,57 +483,91 @@ def launch_deepspeed(config, output_dir, *args, processes):
 def test_deepspeed_reproduces_the_plain_run(
     tmp_path, data, model_without_dropout, reference_runs, config, processes
 ):
-    """Each DeepSpeed config trains to the plain run's weights, logs its loss and norm, and saves final/ as
-    its engine held the weights. ZeRO-2 also resumes bit for bit. ZeRO-3 runs with every parameter partitioned
-    (zero3_partitioning_everything: the shipped config keeps a tiny model's parameters whole), split over the
-    two processes, and final/ holds them whole, under the plain run's names: this case was a launch of its
-    own, merged here (suite time)."""
+    """Each DeepSpeed config trains as the plain run's optimization replayed without gradcache nor DeepSpeed
+    (replay_full_batch: sentence-transformers' loss on each process's whole batch, their mean, torch's
+    clipping), in float32 and float64, by references.py's rule: the weight updates, the logged losses and
+    the logged gradient norms (DeepSpeed's engine's), with SGD in place of AdamW (SGD_LR), each with the
+    run scaled by 1 + 1e-3 as the negative control. final/ holds the weights as its engine held them. ZeRO-2
+    also resumes bit for bit, under AdamW (train.py's optimizer, whose state the checkpoint must restore).
+    ZeRO-3 runs with every parameter partitioned (zero3_partitioning_everything: the shipped config keeps
+    a tiny model's parameters whole), split over the two processes, and final/ holds them whole, under the
+    plain run's names: this case was a launch of its own, merged here (suite time)."""
     common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS)
     resume_too = (config, processes) == ("deepspeed_zero2.yaml", 2)  # and resume from step 2, bit for bit
     partitioned = config == "deepspeed_zero3.yaml"
     config = zero3_partitioning_everything(tmp_path) if partitioned else CONFIGS / config
+    name = f"{config.stem} x {processes}"
+    sgd_config, sgd_env = sgd_launch(tmp_path, config)
+    sgd_flags = ("--lr", SGD_LR, "--max_grad_norm", SGD_CLIP)  # the last value of a flag counts
     run = tmp_path / "run"
-    done = launch_deepspeed(
-        config, run, *common, *(("--save_steps", 2) if resume_too else ()), processes=processes
-    )
+    done = launch_deepspeed(sgd_config, run, *common, *sgd_flags, processes=processes, env=sgd_env)
     assert "DistributedType.DEEPSPEED" in done.stdout and f"processes: {processes}" in done.stdout
+    float32, truth = (full_batch_replay(data, model_without_dropout, t, processes, sgd=True) for t in DTYPES)
     saved = weights(run / "final")
-    difference = max_difference(saved, weights(reference_runs[processes] / "final"))
-    print(f"{config.name} x {processes}: max weight difference to the plain run {difference:.2e}")
-    assert difference < TOLERANCE
+    run_updates = updates(saved, weights(model_without_dropout))
+    measured = assert_exact(run_updates, float32["updates"], truth["updates"], f"{name}, updates")
+    scaled = {key: (1 + 1e-3) * update for key, update in run_updates.items()}
+    control = assert_inexact(scaled, float32["updates"], truth["updates"], f"{name}, updates x (1 + 1e-3)")
+    print(f"{name}: updates {measured}; x (1 + 1e-3): {control.error:.1e}")
     assert max_difference(saved, engine_weights(run / "checkpoints" / "step_3")) == 0
     if partitioned:
         shards = sorted((run / "checkpoints" / "step_3" / "pytorch_model").glob("*optim_states.pt"))
         assert len(shards) == 2
-        # The file itself, as a tool reading it by name sees it: the names of the plain run (not gamma/beta).
+        # The file itself, as a tool reading it by name sees it: the names of the plain run (not gamma/beta),
+        # holding what sentence-transformers loaded from it (judged above).
         saved_file, plain_file = (
             load_file(folder / "final" / "model.safetensors") for folder in (run, reference_runs[2])
         )
-        assert max_difference(saved_file, plain_file) < TOLERANCE
-    logged, reference = logged_scalars(run), logged_scalars(reference_runs[processes])
-    assert min(value for _, value in reference["train/grad_norm"]) < CLIP  # else the clip test is void
-    for tag in ("train/loss", "train/grad_norm"):  # the norm comes from DeepSpeed's engine here
-        assert [value for _, value in logged[tag]] == pytest.approx(
-            [value for _, value in reference[tag]], rel=1e-4
+        assert sorted(saved_file) == sorted(plain_file)
+        assert all(torch.equal(saved_file[key], saved[f"0.model.{key}"]) for key in saved_file)
+    # Some steps clipped, some not, so that DeepSpeed must clip as the flag says (SGD follows the scale)
+    assert min(truth["grad_norms"]) < SGD_CLIP < max(truth["grad_norms"])
+    logged = logged_scalars(run)
+    for tag, key in (("train/loss", "losses"), ("train/grad_norm", "grad_norms")):  # the norm: DeepSpeed's
+        values = [value for _, value in logged[tag]]
+        measured = assert_exact(values, float32[key], truth[key], f"{name}, {tag}")
+        wrong = assert_inexact([v * (1 + 1e-3) for v in values], float32[key], truth[key], f"{tag} x 1.001")
+        print(f"{name}: {tag} {measured}; x (1 + 1e-3): {wrong.error:.1e}")
+    if resume_too:  # AdamW, train.py's own: two runs of the same code, equal bit for bit
+        straight, step_2 = tmp_path / "straight", tmp_path / "straight" / "checkpoints" / "step_2"
+        launch_deepspeed(config, straight, *common, "--save_steps", 2, processes=2)
+        launch_deepspeed(
+            config, tmp_path / "resumed", *common, "--resume_from_checkpoint", step_2, processes=2
         )
-    if resume_too:
-        step_2 = run / "checkpoints" / "step_2"
-        resume = ("--resume_from_checkpoint", step_2)
-        launch_deepspeed(config, tmp_path / "resumed", *common, *resume, processes=2)
-        resumed = weights(tmp_path / "resumed" / "final")
-        assert all(torch.equal(resumed[name], saved[name]) for name in saved)
+        resumed, uninterrupted = (weights(folder / "final") for folder in (tmp_path / "resumed", straight))
+        assert all(torch.equal(resumed[key], uninterrupted[key]) for key in uninterrupted)
+        assert max_difference(uninterrupted, saved) > 1e-4  # AdamW's weights, not SGD's
 
 
 def zero3_partitioning_everything(folder):
     """The shipped ZeRO-3 config with every parameter partitioned, so that each forward gathers them: the
     shipped one keeps a tiny model's parameters whole (below DeepSpeed's persistence threshold)."""
-    deepspeed_config = json.loads((CONFIGS / "deepspeed" / "zero3.json").read_text())
-    deepspeed_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    (folder / "zero3.json").write_text(json.dumps(deepspeed_config))
-    config = folder / "zero3.yaml"
-    shipped = (CONFIGS / "deepspeed_zero3.yaml").read_text()
-    config.write_text(shipped.replace("accelerate_configs/deepspeed/zero3.json", str(folder / "zero3.json")))
-    return config
+    partitioned = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    return deepspeed_config_with(folder, CONFIGS / "deepspeed_zero3.yaml", partitioned)
+
+
+def deepspeed_config_with(folder, config, options):
+    """A copy of the accelerate `config` (in `folder`) whose DeepSpeed JSON has `options` merged in (dicts
+    merged key by key)."""
+    shipped = Path(config).read_text()
+    (json_path,) = [
+        line.split(":", 1)[1].strip() for line in shipped.splitlines() if "deepspeed_config_file" in line
+    ]
+    deepspeed_config = json.loads((REPO / json_path).read_text())
+
+    def merge(into, extra):
+        for key, value in extra.items():
+            if isinstance(value, dict):
+                merge(into.setdefault(key, {}), value)
+            else:
+                into[key] = value
+
+    merge(deepspeed_config, options)
+    name = Path(config).stem
+    (folder / f"{name}.json").write_text(json.dumps(deepspeed_config))
+    copy = folder / f"{name}.yaml"
+    copy.write_text(shipped.replace(json_path, str(folder / f"{name}.json")))
+    return copy
 
 
 # ---------------------------------------------------------------------------------------------------------
