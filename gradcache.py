@@ -16,36 +16,34 @@ activations but no other example. So one training step is:
                      (and each chunk's RNG state, so that dropout can be replayed);
     2. cache         compute the full-batch loss on the detached representations and
                      g_i = dL/dr_i, the representation gradients;
-    3. re-encode     chunk by chunk with grad, replaying the chunk's RNG state so dropout draws the same
-                     masks, and back-propagate the surrogate sum_i <r_i, g_i>, whose gradient is the
-                     chunk's share of dL/dtheta.
+    3. re-encode     chunk by chunk with grad, replaying the chunk's RNG state (the same dropout masks),
+                     and back-propagate the surrogate sum_i <r_i, g_i>: the chunk's share of dL/dtheta.
 
 The parameter gradients equal those of the full batch; peak memory is one chunk's activations. Stage 2
 never holds the B x N scores either: `contrastive_loss` computes them tile by tile with a running
 log-sum-exp (Inf-CL, Cheng et al. 2024), each process only its own rows. The last chunk of stage 1 keeps
-its graph (N chunks cost N - 1 re-encodings) and chunks group texts of similar length (`Refinements`);
-a chunk holds `chunk_size` examples or what fits in `chunk_tokens` padded tokens; all processes agree on
-one plan (`plan_step`: under ZeRO-2/3 every pass is a collective). Without in-batch negatives the loss is
-a sum of per-row terms: `group_step` back-propagates each chunk of rows as it is encoded, no cache.
-
-Two guards: a loss or representation gradient that is not finite is found after stage 2 and the report
-says `skipped`, nothing back-propagated; a chunk that runs out of memory raises `ChunkOutOfMemory`, naming
-a chunk size that fits, on every process together, or inside a collective pass alone (`agreed=False`).
+its graph (N chunks cost N - 1 re-encodings; `graph_budget`: as many as fit), chunks group texts of
+similar length (`Refinements`) and hold `chunk_size` examples or `chunk_tokens` padded tokens; all
+processes agree on one plan (`plan_step`: under ZeRO-2/3 every pass is a collective). Without in-batch
+negatives the loss is a sum of per-row terms: `group_step` back-propagates each chunk of rows as it is
+encoded, no cache. Guards: a loss or representation gradient that is not finite leaves the step
+`skipped`, nothing back-propagated; a chunk out of memory raises `ChunkOutOfMemory` (naming a chunk size
+that fits) on every process together, or alone inside a collective pass (`agreed=False`).
 
 Torch alone: the framework enters through `backward(surrogate)` (`accelerator.backward`: the fp16 loss
 scale, DeepSpeed's step) and `sync_context(is_last)` (`accelerate_sync_context`).
 
-Part I, the step: the outlines `gradcache_step` and `group_step`, their one prologue and one loop of
-backward passes, the three stages, then what they rest on (refinements, the chunk plan, inputs, RNG
-replay, processes and out of memory, checks, the accelerate adapter). Part II, the loss: `contrastive_loss`
-and `group_loss` on one skeleton (normalize, Matryoshka sizes, distillation), their own terms, the masks
-of false negatives, the tiles.
+Part I, the step: the outlines `gradcache_step` and `group_step`, their prologue and loop of backward
+passes, the three stages, then what they rest on (refinements, the chunk plan, inputs, RNG replay,
+processes and out of memory, checks, the accelerate adapter). Part II, the loss: `contrastive_loss` and
+`group_loss` on one skeleton (normalize, Matryoshka sizes, distillation), their terms, masks, tiles.
 """
 
 import contextlib
 import dataclasses
 import functools
 import inspect
+import itertools
 import typing
 from collections.abc import Callable, Mapping, Sequence
 
@@ -71,6 +69,8 @@ class StepReport:
     num_reencoded: int  # chunks encoded again in stage 3 (num_chunks minus the kept group)
     rep_grad_norm: float  # norm of the cached representation gradients, all columns together
     skipped: bool = False  # the loss or its representation gradients were not finite: nothing back-propagated
+    kept_groups: int = 0  # groups whose stage-1 graph stage 3 back-propagated (not re-encoded)
+    kept_bytes: float = 0.0  # their saved tensors' bytes as estimated against graph_budget (0: not measured)
 
 
 def gradcache_step(
@@ -89,34 +89,31 @@ def gradcache_step(
     allow_batch_mixing: bool = False,
     agree_on_out_of_memory: bool = True,
     encode_group: Callable | None = None,
+    graph_budget: float | None = None,
 ) -> StepReport:
     """Accumulate into `.grad` the exact full-batch gradient of `loss_fn` over `columns`.
 
-    encoders:     one callable shared by all columns, or one per column (query and document towers),
-                  called on one chunk's input. None with `encode_group`.
-    encode_group: instead, `encode_group(inputs, columns)` encodes a group's chunk inputs (of those column
-                  indices) in one call, one chunk of every column: under DDP one backward must follow one
-                  forward that ran every tower.
-    columns:      the batch, one entry per text column (anchor, positive, hard negatives...): a
-                  sentence-transformers features dict, a tensor, or what `select` understands.
-    loss_fn:      loss(*reps) -> scalar on the full batch of representations, in column order; with
-                  cross-process negatives loss(*global_reps, local_rows=slice) -> this process's share.
-                  None: `contrastive_loss`.
-    chunk_size:   examples per chunk, an int or one per column; need not divide the batch. 32 by default.
-    chunk_tokens: instead, padded tokens per chunk (an int or one per column): a chunk takes as many
-                  examples, longest first, as fit.
-    lengths:      tokens per example, one sequence per column (or None: a features dict's attention mask),
-                  to order the chunks by length and count their tokens.
+    encoders:     one callable shared by all columns, or one per column (towers), called on a chunk's input.
+    encode_group: instead (encoders None), `encode_group(inputs, columns)` encodes a group's chunk inputs
+                  (one chunk of every column) in one call: under DDP a backward follows one forward of all.
+    columns:      the batch, one entry per column (anchor, positive, hard negatives...): a features dict, a
+                  tensor, or what `select` understands.
+    loss_fn:      loss(*reps) -> scalar on the batch's representations, in column order; cross-process
+                  negatives: loss(*global_reps, local_rows=slice) -> this process's share. `contrastive_loss`.
+    chunk_size:   examples per chunk (an int or one per column), 32 by default; chunk_tokens: instead,
+                  padded tokens per chunk: a chunk takes as many examples, longest first, as fit.
+    lengths:      tokens per example, one sequence per column (None: a features dict's attention mask).
     select:       select(column, index) -> the encoder's input for those examples, one or one per column
-                  (`tokenize_per_chunk` for raw texts). None: `select_examples`.
-    get_rep:      an encoder's output -> the representation. None: `sentence_embedding`.
-    backward:     called on each group's surrogate scalar: `accelerator.backward` under accelerate.
+                  (`tokenize_per_chunk` for raw texts; `select_examples`). get_rep: output -> representation.
+    backward:     called on each surrogate scalar: `accelerator.backward` under accelerate.
     sync_context: `sync_context(is_last)` is entered around each back-propagated group's forward and
                   backward; only the batch's last gets `is_last=True` (`accelerate_sync_context`).
-    cross_process_negatives: contrast each example with every process's representations; the gradients
-                  are the global batch's where the backend averages over processes (DDP, FSDP, DeepSpeed).
+    cross_process_negatives: contrast with every process's representations: the global batch's gradients
+                  where the backend averages over processes (DDP, FSDP, DeepSpeed).
     agree_on_out_of_memory: all processes raise `ChunkOutOfMemory` together. False where every pass is a
-                  collective (DeepSpeed ZeRO-2/3): the process that ran out raises at once, unagreed."""
+                  collective (DeepSpeed ZeRO-2/3): the process that ran out raises at once, unagreed.
+    graph_budget: bytes of stage-1 graphs to keep (`keep_graphs`): the last groups that fit keep theirs and
+                  are not re-encoded (math.inf: every group; 0: none). None: the last group only."""
     columns, loss_fn = list(columns), loss_fn or contrastive_loss
     chunking = chunk_limits(chunk_size, chunk_tokens, len(columns))
     lengths, encode, together = prepare_step(
@@ -125,20 +122,21 @@ def gradcache_step(
     check_loss_takes_local_rows(loss_fn, cross_process_negatives)
     groups = plan_step(columns, *chunking, lengths, together)
     out_of_memory = OutOfMemory(agree_on_out_of_memory, *chunking)
-    # The last group keeps its graph from stage 1 to stage 3, and its sync context stays open as long.
+    stage_one = EncodingPass(encode, columns, groups)
+    # The kept groups' graphs live from stage 1 to stage 3, and their sync context stays open as long.
     with contextlib.ExitStack() as kept_sync:
-        with out_of_memory.watch():
-            cache, rng_states, kept = encode_without_grad(groups, encode, columns, sync_context, kept_sync)
+        sizes = None if graph_budget is None else group_sizes(groups, columns, lengths)
+        keep_graphs(stage_one, graph_budget, sizes, sync_context, kept_sync, out_of_memory)
         out_of_memory.agree()  # before stage 2's collectives
-        loss, rep_grads = cache_representation_gradients(loss_fn, cache, cross_process_negatives)
-        reencoded = groups[:-1] if kept is not None else groups
-        report = stage_two_report(loss, rep_grads, groups, reencoded)
+        loss, rep_grads = cache_representation_gradients(loss_fn, stage_one.cache, cross_process_negatives)
+        reencoded = groups[: len(groups) - len(stage_one.kept)]
+        report = stage_two_report(loss, rep_grads, groups, reencoded, stage_one)
         if report.skipped:
             return report
-        if kept is not None:  # back-propagated first, while its graph is alive: one group's activations
-            with out_of_memory.watch(collective=len(groups) == 1):
-                backpropagate_cache(groups[-1], kept, rep_grads, backward)
-            kept = None
+        if stage_one.kept:  # first, in one backward, while their graphs are alive (each freed as it is done)
+            with out_of_memory.watch(collective=not reencoded):
+                backpropagate_cache(*stage_one.take_kept(), rep_grads, backward)
+    rng_states = stage_one.rng_states
     reencode = functools.partial(reencode_and_backpropagate, rng_states, encode, rep_grads, backward)
     backpropagate_in_turn(reencoded, reencode, sync_context, out_of_memory)
     return report
@@ -162,19 +160,15 @@ def group_step(
 ) -> StepReport:
     """Accumulate into `.grad` the exact gradient of a loss where each anchor sees only its own group.
 
-    Without in-batch negatives (FlagEmbedding's no_in_batch_neg, NeMo's embedding recipes) the loss is a
-    sum of per-row terms, L = (1 / B) sum_i l(a_i, p_i, n_i1..n_ik): a chunk of rows, encoded in every
-    column (each column's texts in GROUP_FORWARDS forwards, longest first), holds all its terms' inputs
-    and is back-propagated at once. No second forward, no cached gradients.
-
-    loss_fn:      loss(*reps, rows=index) -> one term per row of a chunk (`index`: the rows in the batch,
-                  for side data such as teacher scores): `group_loss`. The step divides by the batch size.
-    chunk_size:   rows per chunk; chunk_tokens: padded tokens per chunk, all columns together, as if every
-                  text of a row were as long as its longest.
-    The others are `gradcache_step`'s; under DDP give `encode_group` even for one shared encoder (a chunk's
-    columns must go through one forward before its backward: train.Towers). A loss that is not finite is
-    found before the last backward: nothing more is back-propagated, the report says `skipped`, and the
-    trainer must clear the partial gradients (DeepSpeed's buffers cannot be: train.py stops there)."""
+    Without in-batch negatives (FlagEmbedding's no_in_batch_neg, NeMo) the loss is a sum of per-row terms,
+    L = (1 / B) sum_i l(a_i, p_i, n_i1..n_ik): a chunk of rows, encoded in every column (GROUP_FORWARDS
+    forwards per column, longest first), holds all its terms' inputs and is back-propagated at once.
+    loss_fn: loss(*reps, rows=index) -> one term per row of a chunk (`index`: the rows in the batch, for
+    side data): `group_loss`; the step divides by the batch size. chunk_size: rows per chunk; chunk_tokens:
+    padded tokens per chunk, all columns together, each text as long as its row's longest. The others are
+    `gradcache_step`'s; under DDP give `encode_group` even for a shared encoder (train.Towers). A loss that
+    is not finite is found before the last backward: the report says `skipped`, and the trainer must clear
+    the partial gradients (DeepSpeed's buffers cannot be: train.py stops there)."""
     columns = list(columns)
     limits, by_tokens = chunk_limits(chunk_size, chunk_tokens, 1)  # one per row: all its columns together
     every_column = (limits * len(columns), by_tokens)
@@ -247,27 +241,97 @@ def backpropagate_in_turn(groups, backpropagate_group, sync_context, out_of_memo
 
 
 # --- The three stages ------------------------------------------------------------------------------------
-def encode_without_grad(groups, encode, columns, sync_context, kept_sync):
-    """Stage 1: every group encoded without grad; its representations cached, its RNG state kept. The cache
-    is one fp32 buffer per column, in batch order (small chunk tensors would fragment the heap). The last
-    group is encoded with grad, its sync context entered into `kept_sync`. Returns (cache, RNG states, the
-    last group's representations or None)."""
-    cache, rng_states, reps = [None] * len(columns), [], None
-    for g, group in enumerate(groups):
-        rng_states.append(RngState.capture())
-        keep = REFINEMENTS.reuse_last_chunk and g == len(groups) - 1
-        if keep:
-            kept_sync.enter_context(sync_context(len(groups) == 1))
-        with torch.set_grad_enabled(keep):
-            reps = encode(group)
-        for (c, index, padding), rep in zip(group, reps, strict=True):
-            if cache[c] is None:
-                cache[c] = torch.empty(
-                    batch_size_of(columns[c]), *rep.shape[1:], dtype=torch.float32, device=rep.device
-                )
+class EncodingPass:
+    """Stage 1's results: the cache (one fp32 buffer per column, in batch order: chunk tensors would fragment
+    the heap), each group's RNG state, the representations of the groups that keep a graph."""
+
+    def __init__(self, encode, columns, groups):
+        self.encode, self.columns, self.groups = encode, columns, groups
+        self.cache, self.rng_states, self.kept = [None] * len(columns), [], []
+        self.saved_bytes = self.kept_bytes = 0
+
+    def __call__(self, g, keep, measure=False):
+        """Encodes group g, with grad where it keeps its graph; `measure`: its graph's saved bytes."""
+        self.rng_states.append(RngState.capture())
+        with torch.set_grad_enabled(keep), saved_storages() if measure else contextlib.nullcontext() as saved:
+            reps = self.encode(self.groups[g])
+        if measure:
+            self.saved_bytes = sum(storage.nbytes() for storage in saved.values())
+        for (c, index, padding), rep in zip(self.groups[g], reps, strict=True):
+            if self.cache[c] is None:
+                size = batch_size_of(self.columns[c])
+                self.cache[c] = torch.empty(size, *rep.shape[1:], dtype=torch.float32, device=rep.device)
             if not padding:
-                cache[c][index.to(rep.device)] = rep.detach().float()
-    return cache, rng_states, reps if REFINEMENTS.reuse_last_chunk else None
+                self.cache[c][index.to(rep.device)] = rep.detach().float()
+        if keep:
+            self.kept.append((self.groups[g], reps))
+
+    def take_kept(self):
+        """(the kept groups' chunks, their representations), one list each; none is held here any more."""
+        chunks, reps = [c for group, _ in self.kept for c in group], [r for _, rs in self.kept for r in rs]
+        self.kept = []
+        return chunks, reps
+
+
+def keep_graphs(encoded, budget, sizes, sync_context, kept_sync, out_of_memory):
+    """Stage 1: every group encoded, the last `kept` with grad, their sync context entered into `kept_sync`.
+
+    budget None (or one group): kept = 1. Else the first group is encoded with grad, its graph's saved bytes
+    measured (`saved_storages`) and scaled by `sizes`: as many of the last groups as `budget` holds are kept,
+    the fewest any process keeps (every process must run the same passes: ZeRO). They are encoded in no_sync,
+    back-propagated together in no_sync: before any synchronizing forward (DDP prepares the reduction there
+    and any later backward would run it). All kept: the last forward and that backward synchronize."""
+    last = len(encoded.groups) - 1
+    if budget is None or last == 0 or not REFINEMENTS.reuse_last_chunk:
+        with out_of_memory.watch():
+            for g in range(last + 1):
+                keep = REFINEMENTS.reuse_last_chunk and g == last
+                if keep:
+                    kept_sync.enter_context(sync_context(last == 0))
+                encoded(g, keep)
+        return
+    no_sync = kept_sync.enter_context(contextlib.ExitStack())
+    no_sync.enter_context(sync_context(False))
+    with out_of_memory.watch():
+        encoded(0, keep=budget > 0, measure=True)
+    per_size = encoded.saved_bytes / max(sizes[0], 1)
+    totals = itertools.accumulate(per_size * size for size in reversed(sizes))  # the last groups' bytes
+    fits = sum(1 for _ in itertools.takewhile(lambda total: total <= budget, totals)) if budget > 0 else 0
+    [fewest] = out_of_memory.agree(also=[-fits])  # one all-reduce, with any out-of-memory of the first group
+    kept = -fewest
+    encoded.kept_bytes = per_size * sum(sizes[len(sizes) - kept :])
+    if kept <= last:
+        encoded.kept = []  # the first group is re-encoded: its graph goes
+    with out_of_memory.watch():
+        for g in range(1, last + 1):
+            if g == last and kept > last:
+                no_sync.close()
+                kept_sync.enter_context(sync_context(True))
+            encoded(g, keep=g > last - kept)
+
+
+def group_sizes(groups, columns, lengths):
+    """Each group's padded tokens (examples x a chunk's longest), or examples where a column's lengths are
+    unknown: what a graph's size is scaled by from the first group's."""
+    counted = [example_lengths(column, n) for column, n in zip(columns, lengths, strict=True)]
+    counted = [None] * len(counted) if any(n is None for n in counted) else counted
+    return [sum(padded_size(index, counted[c]) for c, index, _ in group) for group in groups]
+
+
+@contextlib.contextmanager
+def saved_storages():
+    """{(device, address): storage} of what autograd saves for backward inside, each storage once (views
+    share one), without parameters' (they outlive the graph): on any device, unlike a memory counter."""
+    storages = {}
+
+    def pack(tensor):
+        if not isinstance(tensor if tensor._base is None else tensor._base, nn.Parameter):
+            storage = tensor.untyped_storage()
+            storages[storage.device, storage.data_ptr()] = storage
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield storages
 
 
 def cache_representation_gradients(loss_fn, cache, cross_process_negatives):
@@ -315,10 +379,11 @@ def spans_processes(cross_process_negatives):
     return cross_process_negatives and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def stage_two_report(loss, rep_grads, groups, reencoded):
+def stage_two_report(loss, rep_grads, groups, reencoded, encoded):
     """The report after stage 2: `skipped` where a loss or representation gradient is not finite anywhere."""
     norm = float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in rep_grads])))
     report = StepReport(loss, sum(map(len, groups)), sum(map(len, reencoded)), norm)
+    report.kept_groups, report.kept_bytes = len(encoded.kept), encoded.kept_bytes
     finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(g).all()) for g in rep_grads)
     report.skipped = any_process(not finite)  # an optimizer step on these gradients would poison the weights
     return report
@@ -371,11 +436,10 @@ class RowChunks:
 
 
 def column_pieces(lengths, rows):
-    """The positions (0 to rows - 1) of a chunk's rows in one column's GROUP_FORWARDS forwards, longest text
-    first (with `Refinements.sort_by_length` and the rows' `lengths`; else one forward in row order): a
-    column's own texts pad less sorted again (bench/speed.py, batch 1,024, chunks of 32 rows: 1.31x the real
-    tokens, the cache's per-column chunks 1.10x). Every process runs as many forwards (ZeRO-3 gathers in
-    each): a chunk of one row encodes it again."""
+    """The positions (0 to rows - 1) of a chunk's rows in a column's GROUP_FORWARDS forwards, longest first
+    (`Refinements.sort_by_length`, with `lengths`; else one forward in row order): sorted again, a column pads
+    less (bench/speed.py, batch 1,024: 1.31x the real tokens, the cache's chunks 1.10x). Every process runs
+    as many forwards (ZeRO-3 gathers in each): a chunk of one row encodes it again."""
     if not (REFINEMENTS.sort_by_length and lengths is not None):
         return [torch.arange(rows)]
     order = torch.argsort(lengths, descending=True, stable=True)
@@ -424,15 +488,13 @@ REFINEMENTS = Refinements()
 @contextlib.contextmanager
 def refinements(**switches):
     saved = dataclasses.replace(REFINEMENTS)
-    for name, value in switches.items():
-        if not hasattr(REFINEMENTS, name):
-            raise ValueError(f"no refinement {name!r}: choose from {list(vars(saved))}")
-        setattr(REFINEMENTS, name, value)
+    for name in switches.keys() - vars(saved).keys():
+        raise ValueError(f"no refinement {name!r}: choose from {list(vars(saved))}")
+    vars(REFINEMENTS).update(switches)
     try:
         yield
     finally:
-        for name, value in vars(saved).items():
-            setattr(REFINEMENTS, name, value)
+        vars(REFINEMENTS).update(vars(saved))
 
 
 # --- The chunk plan: the same passes on every process ----------------------------------------------------
@@ -478,21 +540,21 @@ def example_lengths(column, lengths):
 def split_to(plan, count, lengths):
     """[(index, padding)]: `plan` with its largest chunks halved until it holds `count` chunks, then padding
     chunks (its shortest example again) where every chunk is down to one example."""
-
-    def padded_size(chunk):
-        return len(chunk) * (1 if lengths is None else int(lengths[chunk].max()))
-
     plan = list(plan)
     while len(plan) < count:
         splittable = [s for s, chunk in enumerate(plan) if len(chunk) > 1]
         if not splittable:
             break
-        largest = max(splittable, key=lambda s: padded_size(plan[s]))
+        largest = max(splittable, key=lambda s: padded_size(plan[s], lengths))
         chunk = plan[largest]
         half = (len(chunk) + 1) // 2
         plan[largest : largest + 1] = [chunk[:half], chunk[half:]]
     padding = [(plan[-1][-1:], True)] * (count - len(plan))
     return [(chunk, False) for chunk in plan] + padding
+
+
+def padded_size(index, lengths):
+    return len(index) * (1 if lengths is None else int(lengths[index].max()))
 
 
 def plan_chunks(column, chunk_size=None, *, chunk_tokens=None, lengths=None):
@@ -656,11 +718,10 @@ class ChunkOutOfMemory(RuntimeError):
 
 
 class OutOfMemory:
-    """The out-of-memory protocol of one step: every process raises `ChunkOutOfMemory` together, or the job
-    ends; no process is left waiting in a collective the others will not reach. `watch()` notes an
-    out-of-memory and lets the step go on, computing nothing, to the next `agree()` (before stage 2, before
-    the synchronizing backward): one all-reduce tells every process. A pass that is a collective itself
-    (the synchronizing backward; every pass with `agree=False`) raises at once, unagreed."""
+    """One step's out-of-memory protocol: all processes raise `ChunkOutOfMemory` together, none is left in a
+    collective the others will not reach. `watch()` notes an out-of-memory; the step goes on, computing
+    nothing, to the next `agree()` (one all-reduce: before stage 2, before the synchronizing backward). A
+    pass that is a collective (the synchronizing backward; every pass with `agree=False`) raises at once."""
 
     def __init__(self, agree, limits, by_tokens):
         self.agree_with_others, self.limits, self.by_tokens = agree, limits, by_tokens
@@ -674,13 +735,16 @@ class OutOfMemory:
         except torch.OutOfMemoryError:
             self.ran_out, self.alone = True, collective or not self.agree_with_others
 
-    def agree(self, collectively=True):
+    def agree(self, collectively=True, also=()):
+        """Returns `also`, numbers that ride the same all-reduce, each its largest on any process."""
         if self.alone:
             raise self.error(agreed=False)
-        if collectively and self.agree_with_others:
-            self.ran_out = any_process(self.ran_out)
+        if collectively and (self.agree_with_others or also):
+            ran_out, *also = largest_on_any_process([int(self.ran_out), *also])
+            self.ran_out = bool(ran_out)
         if self.ran_out:
             raise self.error(agreed=True)
+        return also
 
     def error(self, agreed):
         def shown(values):
@@ -815,25 +879,20 @@ def contrastive_loss(
 
         s_ij = tau <a_i, c_j>,        L = (1 / B) sum_i [ LSE_j(s_ij) - s_i,pos(i) ]
 
-    `TiledCrossEntropy` computes each row's term from tiles of the B x N scores, one at a time.
-    `similarity="cos"` normalizes the representations first; "dot" uses them as they are. `symmetric`
-    averages L with the positive-to-anchor direction: a second tiled pass with the roles swapped.
+    `TiledCrossEntropy` computes each row's term tile by tile. `similarity="cos"` normalizes first, "dot"
+    does not; `symmetric` averages L with the positive-to-anchor direction (a second tiled pass).
 
-    tile_size:         rows and columns of a score tile. None: `default_tile_size`.
-    matryoshka_dims:   the loss becomes sum_m w_m L(m), L(m) on the first m dimensions, renormalized
-                       whatever `similarity` (sentence-transformers' MatryoshkaLoss: weights 1 by default).
-    local_rows:        a slice of the anchors (and positives) whose terms this call computes, still divided
-                       by the whole B: one process's share under cross-process negatives.
-    false_negatives:   a `FalseNegatives`: candidates of a row that are not negatives leave its softmax
-                       (tile by tile); the row's own target always stays.
-    stats:             a dict that receives "masked_fraction" (of the candidates, targets left out, over
-                       every direction and Matryoshka size), "accuracy" (the share of anchors whose positive
-                       scores highest) and with `matryoshka_dims` "matryoshka_losses": {dim: L(dim)},
-                       unweighted, the mean over the rows computed.
-    teacher_scores:    B x (1 + k) scores of a teacher (a cross-encoder) for each anchor's positive and hard
-                       negatives: adds distill_weight x KL(teacher's softmax || student's) over each
-                       anchor's own group, both at `distill_temperature` (as FlagEmbedding and tevatron),
-                       on the full representation."""
+    tile_size:        rows and columns of a score tile. None: `default_tile_size`.
+    matryoshka_dims:  sum_m w_m L(m), L(m) on the first m dimensions renormalized (MatryoshkaLoss; w = 1).
+    local_rows:       the anchors (and positives) whose terms this call computes, still divided by the
+                      whole B: one process's share under cross-process negatives.
+    false_negatives:  a `FalseNegatives`: candidates of a row that are not negatives leave its softmax.
+    stats:            receives "masked_fraction" (of the candidates, over every direction and size),
+                      "accuracy" (anchors whose positive scores highest) and with Matryoshka
+                      "matryoshka_losses": {dim: L(dim)} unweighted, the mean over the rows computed.
+    teacher_scores:   B x (1 + k) teacher scores (a cross-encoder's) of each anchor's positive and hard
+                      negatives: adds distill_weight x KL(teacher's softmax || student's) over each
+                      anchor's own group at `distill_temperature` (FlagEmbedding, tevatron), full width."""
     rows = slice(0, len(anchor)) if local_rows is None else local_rows
     counts = [0, 0]  # candidates masked, candidates seen
     hits = [0, 0] if stats is not None else None  # anchors whose positive scores highest, anchors
@@ -895,12 +954,10 @@ def group_loss(
 
 # --- The skeleton of both: normalize, each Matryoshka size, distillation; a new term goes here -----------
 def loss_skeleton(own_term, columns, rows, scale, similarity, matryoshka, distill):
-    """Both losses: `own_term(*columns)` on the normalized columns, at each Matryoshka size, plus the terms
-    every row adds (distillation). Returns (the loss, each Matryoshka size's own term or None).
-
-    rows:        (the rows of `columns` the terms are of, their indices into the batch's side data, and
-                 the batch size dividing the sum of a per-row term: None keeps one term per row).
-    matryoshka:  (dims, weights); distill: (teacher scores, weight, temperature), as in `contrastive_loss`."""
+    """Both losses: `own_term(*columns)` on the normalized columns at each Matryoshka size, plus distillation.
+    Returns (the loss, each Matryoshka size's own term or None). rows: (the rows of `columns` the terms are
+    of, their indices into the side data, the batch size dividing a per-row term's sum: None keeps one term
+    per row); matryoshka: (dims, weights); distill: (teacher scores, weight, temperature)."""
     if similarity not in ("cos", "dot"):
         raise ValueError(f"similarity must be 'cos' or 'dot', got {similarity!r}")
     (local, side_rows, batch_size), (dims, weights) = rows, matryoshka
@@ -984,21 +1041,18 @@ def group_terms(*columns, scale, rows, false_negatives, masked):
 # --- Masks: candidates that are not negatives leave the softmax ------------------------------------------
 @dataclasses.dataclass
 class FalseNegatives:
-    """Which in-batch candidates are not negatives of a row, by identity and by margin: as the batch grows,
-    duplicates of a row's positive sit among its "negatives". Masked candidates leave the row's softmax.
+    """Which in-batch candidates are not negatives of a row (they leave its softmax): as the batch grows,
+    duplicates of a row's positive sit among its "negatives".
 
-    ids:      one integer tensor per column of the global batch, an id per text (equal texts, equal ids),
-              all >= 0. A candidate is masked where it repeats the row's positive, or is the positive of
-              a row whose anchor repeats this row's (reverse: an anchor that repeats the row's anchor, or
-              whose positive repeats the row's).
-    other_positives: with `ids`, B x P ids of each row's other right answers, -1 where a row has fewer:
-              a candidate repeating one is masked too (reverse: an anchor with the row's positive among
-              its other positives).
-    margin:   mask candidates scoring above the row's positive + margin (Qwen3-Embedding's 0.1), or
-              `margin` x it (`relative`: NV-Retriever's 0.95); the threshold is detached.
-    guide:    a frozen guide model's representations of every column (GIST), never trained: a candidate
-              that the guide scores (cosine) above its score of the row's positive + `guide_margin` is masked.
-    """
+    ids:      one integer tensor per column of the global batch, an id per text (equal texts, equal ids,
+              all >= 0): masks a candidate repeating the row's positive, or the positive of a row whose
+              anchor repeats this row's (reverse: an anchor repeating the row's, or whose positive does).
+    other_positives: with `ids`, B x P ids of each row's other right answers (-1: none), masked too
+              (reverse: an anchor with the row's positive among its other positives).
+    margin:   masks candidates above the row's positive + margin (Qwen3-Embedding's 0.1), or x margin
+              (`relative`: NV-Retriever's 0.95); the threshold is detached.
+    guide:    a frozen guide model's representations of every column (GIST): masks what the guide scores
+              (cosine) above its score of the row's positive + `guide_margin`."""
 
     ids: Sequence | None = None
     margin: float | None = None
@@ -1136,9 +1190,8 @@ class TiledCrossEntropy(torch.autograd.Function):
                the tile that holds them. Output: ce_i = log l_i - (s_i,t(i) - m_i) = LSE_i - s_i,t(i).
     Backward:  with g_i = dL/dce_i, the tiles are recomputed: P_IJ = exp(S_IJ - m_I) / l_I (the softmax),
                G_IJ = g_I (P_IJ - Y_IJ), and  dQ_I += tau G_IJ K_J,   dK_J += G_IJ^T (tau Q_I).
-    Memory: Q, K, their gradients, two floats per row (m and l: LSE = m + log l would round to its
-    magnitude's precision, and so would every P) and one tile. Compute: four matrix products of the score
-    matrix's size instead of three. P - Y is formed in the tile: a nearly one-hot row keeps its digits."""
+    Memory: Q, K, their gradients, m and l per row (LSE = m + log l would round to its magnitude) and one
+    tile; compute: four score-sized products, not three. P - Y in the tile: a one-hot row keeps its digits."""
 
     @staticmethod
     def forward(ctx, queries, keys, first_target, scale, tile_size, mask=None, hits=None):

@@ -22,12 +22,22 @@ Before timing, a sanity check: plain, ours and ST with dropout off give the same
     python bench/speed.py --device cuda --preset gpu    # one GPU: batches 1024 and 4096, a few minutes
     python bench/speed.py --preset smoke                # tiny batches, seconds: the test suite runs this
     python bench/speed.py --parts group                 # the group-only pair again, the rest as saved
+    python bench/speed.py --budget_sweep                # graph_budget: time and peak by graphs kept
+
+The budget sweep (`budget_sweep`, also bench/gpu_check.py --budget_sweep on CUDA) times gradcache_step with
+graph_budget at 0, 1/4, 1/2 and all of the step's graph bytes against the no-cache lower bound (each
+example's forward and backward once, in the same chunks, no stage 1), and reads each one's peak memory
+(CPU: the resident set's high-water mark, with glibc returning freed blocks; CUDA: max_memory_allocated);
+it prints a table and writes nothing. Its default is short (one warm-up, one measured round; 1 layer of
+all-MiniLM-L6-v2 on CPU: --sweep_layers 0 for all six).
 
 Writes bench/results/speed_<preset>.{json,md,png}.
 """
 
 import math
+import os
 import statistics
+import sys
 import time
 from functools import partial
 
@@ -107,6 +117,10 @@ parser.add_argument("--chunk_size", type=int, help="override the preset's chunk 
 parser.add_argument("--chunk_tokens", type=int, help="override the preset's token budget of a chunk")
 parser.add_argument("--rounds", type=int, help="measured rounds (steps per variant)")
 parser.add_argument("--warmup", type=int, help="rounds run first and left out")
+parser.add_argument("--budget_sweep", action="store_true", help="only the graph_budget sweep, printed")
+parser.add_argument(
+    "--sweep_layers", type=int, default=1, help="budget sweep: transformer layers kept, 0: all"
+)
 parser.add_argument(
     "--parts",
     nargs="+",
@@ -466,7 +480,77 @@ def plot(results, args, path):
     plt.close(figure)
 
 
+# --- The graph_budget sweep: how much keeping stage 1's graphs buys, against the no-cache lower bound ----
+SWEEP_SHARES = {"0": 0.0, "1/4": 0.25, "1/2": 0.5, "all": math.inf}  # of the step's graph bytes
+
+
+def lower_bound_step(model, chunk_size, features):
+    """Each example's forward and backward once, in gradcache's chunks, no stage 1 and no loss stage: what
+    no cache can beat (the gradient it leaves is not the contrastive loss's)."""
+    for column in features:
+        for index in gradcache.plan_chunks(column, chunk_size):
+            reps = model(gradcache.select_examples(column, index))["sentence_embedding"]
+            reps.sum().backward()
+
+
+def budgeted_step(model, chunk_size, budget, features):
+    loss_fn = partial(gradcache.contrastive_loss, scale=harness.SCALE)
+    return gradcache.gradcache_step(model, features, loss_fn, chunk_size=chunk_size, graph_budget=budget)
+
+
+def timed_with_peak(step, features, device):
+    """(seconds, peak bytes above the memory before, what `step` returned)."""
+    baseline = harness.start_peak_window(device)
+    started = time.perf_counter()
+    result = step(features)
+    harness.synchronize(device)
+    return time.perf_counter() - started, harness.peak_since_window(device) - baseline, result
+
+
+def budget_sweep(device="cpu", batch_sizes=(256, 1024), chunk_size=32, rounds=1, warmup=1, num_layers=1):
+    """The rows of the sweep's table (also printed): per batch and budget, the groups kept, the median step
+    (gradient only) over the measured rounds, its ratio to the lower bound in the same round, the peak."""
+    model = harness.load_model(device, num_layers or None)
+    texts = harness.load_texts(max(batch_sizes) * (warmup + rounds))
+    rows = []
+    for batch_size in batch_sizes:
+        features = harness.tokenize(model, texts, 0, batch_size)
+        total = budgeted_step(model, chunk_size, math.inf, features).kept_bytes
+        model.zero_grad(set_to_none=True)
+        steps = {"no cache (lower bound)": partial(lower_bound_step, model, chunk_size)}
+        steps |= {f"kept {name}": partial(budgeted_step, model, chunk_size, share * total)
+                  for name, share in SWEEP_SHARES.items()}  # fmt: skip
+        seen = {name: [] for name in steps}  # (seconds, peak, report) per measured round
+        for round_index in range(warmup + rounds):
+            features = harness.tokenize(model, texts, round_index * batch_size, batch_size)
+            names = list(steps)[round_index % len(steps) :] + list(steps)[: round_index % len(steps)]
+            for name in names:
+                measured = timed_with_peak(steps[name], features, device)
+                model.zero_grad(set_to_none=True)
+                if round_index >= warmup:
+                    seen[name].append(measured)
+        lower = seen["no cache (lower bound)"]
+        for name, runs in seen.items():
+            report = runs[-1][2]
+            kept = "-" if report is None else f"{report.kept_groups} of {report.num_chunks}"
+            ratio = statistics.median(run[0] / low[0] for run, low in zip(runs, lower, strict=True))
+            seconds, peak = statistics.median(run[0] for run in runs), max(run[1] for run in runs)
+            rows.append([batch_size, name, kept, f"{seconds:.2f}", f"{ratio:.2f}x", f"{peak / 2**20:,.0f}"])
+    header = ["batch", "budget (of all graphs)", "groups kept", "seconds", "/ lower bound", "peak MiB"]
+    print(f"graph_budget sweep, {device}, chunk {chunk_size}, {rounds} round(s) after {warmup} warm-up:")
+    print(harness.markdown_table(header, rows), flush=True)
+    return rows
+
+
 def main(argv=None):
+    args = parser.parse_known_args(argv)[0]
+    if args.budget_sweep:
+        if args.device == "cpu" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # RSS to follow the tensors
+            os.execve(sys.executable, [sys.executable, *sys.argv], os.environ | harness.MALLOC_ENV)
+        batch_sizes = args.batch_sizes or [256, 1024]
+        rounds, warmup = args.rounds or 1, 1 if args.warmup is None else args.warmup
+        budget_sweep(args.device, batch_sizes, args.chunk_size or 32, rounds, warmup, args.sweep_layers)
+        return
     harness.run_benchmark("speed", parser, PRESETS, measure, table, plot, "step time relative to ours", argv)
 
 
