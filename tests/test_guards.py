@@ -173,7 +173,7 @@ def test_collectives_go_to_the_process_group_device(monkeypatch, backend, accele
     """NCCL refuses CPU tensors: the plan and guard agreements go where the process group computes, whatever
     device the columns (texts) or the encoders (a Router's callables) are on. No NCCL here: the process group
     and the accelerator are stand-ins."""
-    monkeypatch.setattr(gradcache.dist, "get_backend", lambda: backend)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda: backend)
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: accelerator is not None)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device(accelerator or "cpu"))
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
@@ -181,8 +181,8 @@ def test_collectives_go_to_the_process_group_device(monkeypatch, backend, accele
 
     asked, reduced = [], []
     monkeypatch.setattr(gradcache, "collective_device", lambda: asked.append(1) or torch.device("cpu"))
-    monkeypatch.setattr(gradcache.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(gradcache.dist, "get_world_size", lambda: 2)
-    monkeypatch.setattr(gradcache.dist, "all_reduce", lambda tensor, op: reduced.append(tensor.tolist()))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, op: reduced.append(tensor.tolist()))
     assert gradcache.largest_on_any_process([3, 1]) == [3, 1] and not gradcache.any_process(False)
     assert reduced == [[3, 1], [0]] and len(asked) == 2
