@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -889,23 +888,9 @@ def test_a_second_run_into_the_same_folder_is_refused_unless_overwrite(
     assert max_difference(weights(tmp_path / "final"), before) > 0  # the second run's model
 
 
-def test_default_run_names_tell_runs_apart():
-    def at(when):
-        return time.strptime(when, "%Y-%m-%d %H:%M")
-
-    name = train.default_run_name(
-        "models/all-MiniLM-L6-v2", "data/wordnet_train.jsonl.gz", at("2026-12-01 12:30")
-    )
-    assert name == "all-MiniLM-L6-v2-wordnet_train-20261201-1230"
-    later = train.default_run_name(
-        "models/all-MiniLM-L6-v2", "data/wordnet_train.jsonl.gz", at("2026-12-01 12:31")
-    )
-    assert later != name
-    assert train.default_run_name("org/bge-small", "org/all-nli:train", at("2026-12-01 12:30")).startswith(
-        "bge-small-all-nli-"
-    )
+def test_default_run_names_go_under_runs():
     args = train.parse_args(["--data", "somewhere/pairs.csv"])
-    assert args.run_name.startswith("all-MiniLM-L6-v2-pairs-")
+    assert args.run_name.startswith("all-MiniLM-L6-v2-pairs-") and args.named_by_default
     assert args.output_dir == str(Path("runs") / args.run_name)
     assert train.parse_args(["--model", "m", "--run_name", "mine"]).output_dir == str(Path("runs") / "mine")
 
