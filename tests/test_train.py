@@ -602,15 +602,28 @@ def test_max_grad_norm_0_trains_unclipped_and_logs_the_norm(
     tmp_path, data, model_without_dropout, monkeypatch
 ):
     """0 is no clipping, as DeepSpeed reads it: torch's clipping to 0 zeroed every gradient, so the weights
-    stayed put (no weight decay here) while the log showed the norm."""
-    run_main(
-        monkeypatch, "--output_dir", tmp_path, "--model", model_without_dropout, "--data", data[0],
-        "--batch_size", 8, "--chunk_size", 4, "--max_steps", 2, "--lr", 1e-3, "--weight_decay", 0,
-        "--max_grad_norm", 0, "--save_steps", 0,
-    )  # fmt: skip
-    norms = [value for _, value in logged_scalars(tmp_path)["train/grad_norm"]]
+    stayed put (no weight decay here) while the log showed the norm. With SGD in place of AdamW (whose
+    update hardly follows the gradient's scale; SGD_LR), the run equals bit for bit one clipping far above
+    its norms, and differs from one clipping at half its smallest norm (the control: clipping would show)."""
+    monkeypatch.setattr(torch.optim, "AdamW", SGDInPlaceOfAdamW)
+
+    def trained(name, max_grad_norm):
+        run_main(
+            monkeypatch, "--output_dir", tmp_path / name, "--model", model_without_dropout, "--data", data[0],
+            "--batch_size", 8, "--chunk_size", 4, "--max_steps", 2, "--lr", SGD_LR, "--weight_decay", 0,
+            "--max_grad_norm", max_grad_norm, "--save_steps", 0, "--dev_data", "",
+        )  # fmt: skip
+        norms = [value for _, value in logged_scalars(tmp_path / name)["train/grad_norm"]]
+        return weights(tmp_path / name / "final"), norms
+
+    unclipped, norms = trained("off", 0)
     assert len(norms) == 2 and all(0 < norm < float("inf") for norm in norms)
-    assert max_difference(weights(tmp_path / "final"), weights(model_without_dropout)) > 1e-4
+    assert max_difference(unclipped, weights(model_without_dropout)) > 1e-4
+    far_above, far_norms = trained("far_above", 1e6)
+    assert far_norms == norms and max_difference(far_above, unclipped) == 0
+    clipped, clipped_norms = trained("clipped", min(norms) / 2)
+    assert clipped_norms[0] == norms[0]  # the same first gradient, clipped
+    assert max_difference(clipped, unclipped) > 1e-4
 
 
 def test_an_undistributed_multi_process_launch_stops_at_start(tmp_path, data, model_without_dropout):
