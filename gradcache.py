@@ -19,16 +19,14 @@ activations but no other example. So one training step is:
     3. re-encode     chunk by chunk with grad, replaying the chunk's RNG state (the same dropout masks),
                      and back-propagate the surrogate sum_i <r_i, g_i>: the chunk's share of dL/dtheta.
 
-The parameter gradients equal those of the full batch; peak memory is one chunk's activations. Stage 2
-never holds the B x N scores either: `contrastive_loss` computes them tile by tile with a running
-log-sum-exp (Inf-CL, Cheng et al. 2024), each process only its own rows. The last chunk of stage 1 keeps
-its graph (N chunks cost N - 1 re-encodings; `graph_budget`: as many as fit), chunks group texts of
-similar length (`Refinements`) and hold `chunk_size` examples or `chunk_tokens` padded tokens; all
-processes agree on one plan (`plan_step`: under ZeRO-2/3 every pass is a collective). Without in-batch
-negatives the loss is a sum of per-row terms: `group_step` back-propagates each chunk of rows as it is
-encoded, no cache. Guards: a loss or representation gradient that is not finite leaves the step
-`skipped`, nothing back-propagated; a chunk out of memory raises `ChunkOutOfMemory` (naming a chunk size
-that fits) on every process together, or alone inside a collective pass (`agreed=False`).
+The parameter gradients equal the full batch's; peak memory is one chunk's activations. Stage 2 never
+holds the B x N scores: `contrastive_loss` tiles them with a running log-sum-exp (Inf-CL, Cheng et al.
+2024), each process its own rows. The last chunk keeps its stage-1 graph (N chunks, N - 1 re-encodings;
+`graph_budget`: as many as fit), chunks group texts of similar length (`Refinements`), `chunk_size`
+examples or `chunk_tokens` padded tokens, one plan on all processes (`plan_step`: ZeRO-2/3 passes are
+collectives). Without in-batch negatives `group_step` back-propagates each chunk of rows at once, no
+cache. Guards: a loss or gradient not finite leaves the step `skipped`; a chunk out of memory raises
+`ChunkOutOfMemory` (naming a size that fits) on all processes together, or alone (`agreed=False`).
 
 Torch alone: the framework enters through `backward(surrogate)` (`accelerator.backward`: the fp16 loss
 scale, DeepSpeed's step) and `sync_context(is_last)` (`accelerate_sync_context`).
@@ -52,13 +50,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["gradcache_step", "group_step", "StepReport", "ChunkOutOfMemory", "refinements"]
+__all__ = ["gradcache_step", "group_step", "StepReport", "ChunkOutOfMemory", "refinements", "any_process"]
 __all__ += ["contrastive_loss", "group_loss", "FalseNegatives", "accelerate_sync_context"]
 __all__ += ["tokenize_per_chunk", "select_examples", "plan_chunks", "plan_step", "GROUP_FORWARDS"]
 # Parts that train.py, tests/ and bench/ call or replace on their own.
 __all__ += ["check_examples_independent", "cache_representation_gradients", "backpropagate_cache"]
 __all__ += ["check_loss_takes_local_rows", "gather_from_all_processes", "largest_on_any_process"]
-__all__ += ["any_process", "collective_device"]
+__all__ += ["collective_device"]
 
 
 # ============================== Part I. The step =========================================================
@@ -66,7 +64,7 @@ __all__ += ["any_process", "collective_device"]
 class StepReport:
     loss: torch.Tensor  # detached full-batch loss (the global batch's with cross-process negatives)
     num_chunks: int  # chunk forwards of stage 1, all columns together
-    num_reencoded: int  # chunks encoded again in stage 3 (num_chunks minus the kept group)
+    num_reencoded: int  # chunks encoded again in stage 3 (num_chunks minus the kept groups')
     rep_grad_norm: float  # norm of the cached representation gradients, all columns together
     skipped: bool = False  # the loss or its representation gradients were not finite: nothing back-propagated
     kept_groups: int = 0  # groups whose stage-1 graph stage 3 back-propagated (not re-encoded)
@@ -92,12 +90,10 @@ def gradcache_step(
     graph_budget: float | None = None,
 ) -> StepReport:
     """Accumulate into `.grad` the exact full-batch gradient of `loss_fn` over `columns`.
-
     encoders:     one callable shared by all columns, or one per column (towers), called on a chunk's input.
     encode_group: instead (encoders None), `encode_group(inputs, columns)` encodes a group's chunk inputs
                   (one chunk of every column) in one call: under DDP a backward follows one forward of all.
-    columns:      the batch, one entry per column (anchor, positive, hard negatives...): a features dict, a
-                  tensor, or what `select` understands.
+    columns:      the batch, a column each (anchor, positive, negatives...): features dict, tensor, or other.
     loss_fn:      loss(*reps) -> scalar on the batch's representations, in column order; cross-process
                   negatives: loss(*global_reps, local_rows=slice) -> this process's share. `contrastive_loss`.
     chunk_size:   examples per chunk (an int or one per column), 32 by default; chunk_tokens: instead,
@@ -105,11 +101,9 @@ def gradcache_step(
     lengths:      tokens per example, one sequence per column (None: a features dict's attention mask).
     select:       select(column, index) -> the encoder's input for those examples, one or one per column
                   (`tokenize_per_chunk` for raw texts; `select_examples`). get_rep: output -> representation.
-    backward:     called on each surrogate scalar: `accelerator.backward` under accelerate.
-    sync_context: `sync_context(is_last)` is entered around each back-propagated group's forward and
-                  backward; only the batch's last gets `is_last=True` (`accelerate_sync_context`).
-    cross_process_negatives: contrast with every process's representations: the global batch's gradients
-                  where the backend averages over processes (DDP, FSDP, DeepSpeed).
+    backward:     called on each surrogate scalar (`accelerator.backward`). sync_context: entered around
+                  each group's forward and backward, is_last=True for the last (`accelerate_sync_context`).
+    cross_process_negatives: contrast with every process's representations (DDP, FSDP, DeepSpeed).
     agree_on_out_of_memory: all processes raise `ChunkOutOfMemory` together. False where every pass is a
                   collective (DeepSpeed ZeRO-2/3): the process that ran out raises at once, unagreed.
     graph_budget: bytes of stage-1 graphs to keep (`keep_graphs`): the last groups that fit keep theirs and
@@ -122,22 +116,22 @@ def gradcache_step(
     check_loss_takes_local_rows(loss_fn, cross_process_negatives)
     groups = plan_step(columns, *chunking, lengths, together)
     out_of_memory = OutOfMemory(agree_on_out_of_memory, *chunking)
-    stage_one = EncodingPass(encode, columns, groups)
+    encoded = EncodingPass(encode, columns, groups)
     # The kept groups' graphs live from stage 1 to stage 3, and their sync context stays open as long.
     with contextlib.ExitStack() as kept_sync:
         sizes = None if graph_budget is None else group_sizes(groups, columns, lengths)
-        keep_graphs(stage_one, graph_budget, sizes, sync_context, kept_sync, out_of_memory)
+        keep_graphs(encoded, graph_budget, sizes, sync_context, kept_sync, out_of_memory)
         out_of_memory.agree()  # before stage 2's collectives
-        loss, rep_grads = cache_representation_gradients(loss_fn, stage_one.cache, cross_process_negatives)
-        reencoded = groups[: len(groups) - len(stage_one.kept)]
-        report = stage_two_report(loss, rep_grads, groups, reencoded, stage_one)
+        loss, rep_grads = cache_representation_gradients(loss_fn, encoded.cache, cross_process_negatives)
+        reencoded = groups[: len(groups) - len(encoded.kept)]
+        report = stage_two_report(loss, rep_grads, groups, reencoded, encoded)
         if report.skipped:
             return report
-        if stage_one.kept:  # first, in one backward, while their graphs are alive (each freed as it is done)
+        if encoded.kept:  # first, in one backward, while their graphs are alive (each freed as it is done)
             with out_of_memory.watch(collective=not reencoded):
-                backpropagate_cache(*stage_one.take_kept(), rep_grads, backward)
-    rng_states = stage_one.rng_states
-    reencode = functools.partial(reencode_and_backpropagate, rng_states, encode, rep_grads, backward)
+                backpropagate_cache(sum(encoded.kept, []), encoded.kept_reps, rep_grads, backward)
+            encoded.kept_reps = None
+    reencode = functools.partial(reencode_and_backpropagate, encoded.rng_states, encode, rep_grads, backward)
     backpropagate_in_turn(reencoded, reencode, sync_context, out_of_memory)
     return report
 
@@ -164,11 +158,10 @@ def group_step(
     L = (1 / B) sum_i l(a_i, p_i, n_i1..n_ik): a chunk of rows, encoded in every column (GROUP_FORWARDS
     forwards per column, longest first), holds all its terms' inputs and is back-propagated at once.
     loss_fn: loss(*reps, rows=index) -> one term per row of a chunk (`index`: the rows in the batch, for
-    side data): `group_loss`; the step divides by the batch size. chunk_size: rows per chunk; chunk_tokens:
-    padded tokens per chunk, all columns together, each text as long as its row's longest. The others are
-    `gradcache_step`'s; under DDP give `encode_group` even for a shared encoder (train.Towers). A loss that
-    is not finite is found before the last backward: the report says `skipped`, and the trainer must clear
-    the partial gradients (DeepSpeed's buffers cannot be: train.py stops there)."""
+    side data): `group_loss`, divided by the batch size. chunk_size: rows per chunk; chunk_tokens: padded
+    tokens per chunk, all columns, each text as long as its row's longest. Others: `gradcache_step`'s (DDP:
+    `encode_group` even for one encoder, train.Towers). A loss not finite is found before the last backward:
+    `skipped`; the trainer clears the partial gradients (not DeepSpeed's buffers: train.py stops)."""
     columns = list(columns)
     limits, by_tokens = chunk_limits(chunk_size, chunk_tokens, 1)  # one per row: all its columns together
     every_column = (limits * len(columns), by_tokens)
@@ -202,9 +195,7 @@ def prepare_step(encoders, columns, chunking, lengths, select, get_rep, encode_g
 def chunk_limits(chunk_size, chunk_tokens, num_columns):
     """([a limit per column], by tokens): chunk_size, 32 by default, or chunk_tokens; never both."""
     if chunk_size is not None and chunk_tokens is not None:
-        raise ValueError(
-            "pass chunk_size or chunk_tokens, not both: a chunk is counted in examples or in padded tokens."
-        )
+        raise ValueError("pass chunk_size or chunk_tokens, not both (examples or padded tokens per chunk).")
     by_tokens = chunk_tokens is not None
     limit = chunk_tokens if by_tokens else 32 if chunk_size is None else chunk_size
     return (list(limit) if isinstance(limit, Sequence) else [limit] * num_columns), by_tokens
@@ -225,9 +216,8 @@ def group_encoder(columns, encoders, encode_group, select, get_rep):
 
 
 def backpropagate_in_turn(groups, backpropagate_group, sync_context, out_of_memory):
-    """Stage 3's loop, and group_step's: `backpropagate_group(g, group, is_last)` in each group's sync
-    context, until it returns True. The processes agree on any out-of-memory before the last backward, the
-    one that synchronizes: the others would wait in its all-reduce."""
+    """Stage 3's loop, and group_step's: `backpropagate_group(g, group, is_last)` in each group's sync context
+    until it returns True; any out-of-memory agreed before the last, synchronizing backward."""
     for g, group in enumerate(groups):
         is_last = g == len(groups) - 1
         if is_last:
@@ -247,7 +237,7 @@ class EncodingPass:
 
     def __init__(self, encode, columns, groups):
         self.encode, self.columns, self.groups = encode, columns, groups
-        self.cache, self.rng_states, self.kept = [None] * len(columns), [], []
+        self.cache, self.rng_states, self.kept, self.kept_reps = [None] * len(columns), [], [], []
         self.saved_bytes = self.kept_bytes = 0
 
     def __call__(self, g, keep, measure=False):
@@ -264,23 +254,15 @@ class EncodingPass:
             if not padding:
                 self.cache[c][index.to(rep.device)] = rep.detach().float()
         if keep:
-            self.kept.append((self.groups[g], reps))
-
-    def take_kept(self):
-        """(the kept groups' chunks, their representations), one list each; none is held here any more."""
-        chunks, reps = [c for group, _ in self.kept for c in group], [r for _, rs in self.kept for r in rs]
-        self.kept = []
-        return chunks, reps
+            self.kept, self.kept_reps = [*self.kept, self.groups[g]], [*self.kept_reps, *reps]
 
 
 def keep_graphs(encoded, budget, sizes, sync_context, kept_sync, out_of_memory):
-    """Stage 1: every group encoded, the last `kept` with grad, their sync context entered into `kept_sync`.
-
-    budget None (or one group): kept = 1. Else the first group is encoded with grad, its graph's saved bytes
-    measured (`saved_storages`) and scaled by `sizes`: as many of the last groups as `budget` holds are kept,
-    the fewest any process keeps (every process must run the same passes: ZeRO). They are encoded in no_sync,
-    back-propagated together in no_sync: before any synchronizing forward (DDP prepares the reduction there
-    and any later backward would run it). All kept: the last forward and that backward synchronize."""
+    """Stage 1: every group encoded, the last `kept` with grad in their sync context (entered in `kept_sync`).
+    budget None, or one group: kept = 1. Else the first group's graph is measured (`saved_storages`), scaled
+    by `sizes`: the last groups `budget` holds are kept, as few as on any process (ZeRO: the same passes).
+    In no_sync, and back-propagated together before any synchronizing forward (DDP prepares its reduction
+    there: any later backward runs it); all kept: the last forward and that backward synchronize."""
     last = len(encoded.groups) - 1
     if budget is None or last == 0 or not REFINEMENTS.reuse_last_chunk:
         with out_of_memory.watch():
@@ -297,11 +279,10 @@ def keep_graphs(encoded, budget, sizes, sync_context, kept_sync, out_of_memory):
     per_size = encoded.saved_bytes / max(sizes[0], 1)
     totals = itertools.accumulate(per_size * size for size in reversed(sizes))  # the last groups' bytes
     fits = sum(1 for _ in itertools.takewhile(lambda total: total <= budget, totals)) if budget > 0 else 0
-    [fewest] = out_of_memory.agree(also=[-fits])  # one all-reduce, with any out-of-memory of the first group
-    kept = -fewest
+    kept = -out_of_memory.agree(also=[-fits])[0]  # the fewest: one all-reduce, with any out-of-memory
     encoded.kept_bytes = per_size * sum(sizes[len(sizes) - kept :])
     if kept <= last:
-        encoded.kept = []  # the first group is re-encoded: its graph goes
+        encoded.kept, encoded.kept_reps = [], []  # the first group is re-encoded: its graph goes
     with out_of_memory.watch():
         for g in range(1, last + 1):
             if g == last and kept > last:
@@ -311,8 +292,7 @@ def keep_graphs(encoded, budget, sizes, sync_context, kept_sync, out_of_memory):
 
 
 def group_sizes(groups, columns, lengths):
-    """Each group's padded tokens (examples x a chunk's longest), or examples where a column's lengths are
-    unknown: what a graph's size is scaled by from the first group's."""
+    """Each group's padded tokens (examples x a chunk's longest; examples where lengths are unknown)."""
     counted = [example_lengths(column, n) for column, n in zip(columns, lengths, strict=True)]
     counted = [None] * len(counted) if any(n is None for n in counted) else counted
     return [sum(padded_size(index, counted[c]) for c, index, _ in group) for group in groups]
@@ -347,9 +327,8 @@ def cache_representation_gradients(loss_fn, cache, cross_process_negatives):
 
 
 def global_batch_gradients(loss_fn, leaves):
-    """Stage 2 across processes: local rows against global columns. Each process gathers every process's
-    columns (detached) and computes its share L_r of the loss, `loss_fn(*global_columns, local_rows=slice)`;
-    a representation's gradient is the sum over processes of dL_r/dr: one all-reduce carries them all, and
+    """Stage 2 across processes: each gathers every process's columns (detached) and computes its share L_r,
+    `loss_fn(*global_columns, local_rows=slice)`; dL/dr = sum_r dL_r/dr: one all-reduce carries them and
     the shares. Cost per process: O(B_local x B_global)."""
     gathered = [gather_from_all_processes(leaf) for leaf in leaves]
     sizes = [len(rows) for rows in gathered[0]]
@@ -437,9 +416,8 @@ class RowChunks:
 
 def column_pieces(lengths, rows):
     """The positions (0 to rows - 1) of a chunk's rows in a column's GROUP_FORWARDS forwards, longest first
-    (`Refinements.sort_by_length`, with `lengths`; else one forward in row order): sorted again, a column pads
-    less (bench/speed.py, batch 1,024: 1.31x the real tokens, the cache's chunks 1.10x). Every process runs
-    as many forwards (ZeRO-3 gathers in each): a chunk of one row encodes it again."""
+    (`sort_by_length`, `lengths`; else one forward): sorted again a column pads less (batch 1,024: 1.31x the
+    real tokens, the cache's 1.10x). Every process runs as many (ZeRO-3): one row is encoded again."""
     if not (REFINEMENTS.sort_by_length and lengths is not None):
         return [torch.arange(rows)]
     order = torch.argsort(lengths, descending=True, stable=True)
@@ -474,10 +452,9 @@ def row_lengths(counted):
 # --- The refinements: what the step does beyond the paper ------------------------------------------------
 @dataclasses.dataclass
 class Refinements:
-    """What the step does beyond the paper, none of it changing the gradients. Benchmarks and negative
-    controls switch one off for a measurement: `with gradcache.refinements(replay_rng=False): ...`."""
+    """Beyond the paper, gradients unchanged; one switched off to measure: `refinements(replay_rng=False)`."""
 
-    reuse_last_chunk: bool = True  # stage 1 keeps the last group's graph: N groups cost N - 1 re-encodings
+    reuse_last_chunk: bool = True  # stage 1 keeps the last group's graph (or graph_budget's); off: none
     replay_rng: bool = True  # stage 3 replays stage 1's RNG: without it dropout makes the gradients wrong
     sort_by_length: bool = True  # chunks of texts of similar length, so each trims its own padding
 
@@ -508,13 +485,11 @@ class Chunk(typing.NamedTuple):
 
 
 def plan_step(columns, limits, by_tokens, lengths, together):
-    """The step's groups (what one backward covers), the same in number and shape on every process.
-
-    Each column is planned alone (`plan_chunks`); the processes agree on each column's number of chunks
-    (the largest any planned: one all-reduce), and one that planned fewer halves its largest chunks (never
-    over the budget), then adds padding chunks. A shared encoder makes one group per chunk; separate towers
-    (`together`) one chunk of every column per group: under ZeRO-3 each backward must reach every tower
-    (DeepSpeed issue #1355), under DDP see the same parameters on every process."""
+    """The step's groups (what one backward covers), the same in number and shape on every process: each
+    column planned alone (`plan_chunks`), its number of chunks the largest any process planned (one
+    all-reduce), reached by halving the largest chunks (never over the budget), then by padding chunks. A
+    shared encoder makes a group per chunk; towers (`together`) one chunk of every column per group: under
+    ZeRO-3 each backward must reach every tower (DeepSpeed #1355), under DDP the same parameters."""
     limit_name = "chunk_tokens" if by_tokens else "chunk_size"
     counted = [example_lengths(column, n) for column, n in zip(columns, lengths, strict=True)]
     plans = [
@@ -558,11 +533,10 @@ def padded_size(index, lengths):
 
 
 def plan_chunks(column, chunk_size=None, *, chunk_tokens=None, lengths=None):
-    """Index tensors splitting a column into chunks of at most `chunk_size` examples, or of at most
-    `chunk_tokens` padded tokens (examples x the chunk's longest); exactly one of the two. With `lengths`
-    (default: a features dict's attention mask) and `Refinements.sort_by_length`, examples go longest first
-    (stable): each chunk trims its own padding, and a chunk size that does not fit fails at once. An example
-    longer than the token budget gets a chunk of its own."""
+    """Index tensors splitting a column into chunks of at most `chunk_size` examples or `chunk_tokens` padded
+    tokens (examples x the chunk's longest; an example longer gets a chunk of its own). With `lengths` (a
+    features dict's attention mask) and `Refinements.sort_by_length`, longest first (stable): each chunk
+    trims its own padding, and a chunk size that does not fit fails at once."""
     if (chunk_size is None) == (chunk_tokens is None):
         raise ValueError("pass one of chunk_size (examples per chunk) and chunk_tokens (padded tokens).")
     batch_size = batch_size_of(column)
@@ -606,11 +580,8 @@ def batch_size_of(column):
 
 
 def select_examples(column, index):
-    """The examples `index` of a column, with padding columns that no selected example uses trimmed.
-
-    Non-tensor entries (sentence-transformers' `'modality'`) and 0-d tensors pass through. Trailing padding
-    is trimmed, leading padding too when left-padded (decoder-only models): the chunk is what tokenizing
-    its texts alone gives, as sentence-transformers encodes a batch."""
+    """The examples `index` of a column, the padding no selected example uses trimmed (trailing, leading too
+    when left-padded: what tokenizing the chunk's texts alone gives). Non-tensors and 0-d tensors pass."""
     if isinstance(column, torch.Tensor):
         return column[index.to(column.device)]
     if not isinstance(column, Mapping):
@@ -632,15 +603,13 @@ def select_examples(column, index):
 
 
 def tokenize_per_chunk(tokenize):
-    """`select` for columns of raw texts: `tokenize(texts)` runs on the texts of each chunk as it is encoded.
-    `tokenize` turns a list of texts into the encoder's input, padded to its longest (a sentence-transformers
-    model's `preprocess`, then a move to the device). Give `gradcache_step` the token counts as `lengths`."""
+    """`select` for raw texts: `tokenize(texts)` (a model's `preprocess`, moved to the device) on each chunk's
+    texts as it is encoded, padded to its longest. Give `gradcache_step` the token counts as `lengths`."""
 
     def select(texts, index):
         features = tokenize([texts[i] for i in index.tolist()])
-        # A plain dict: DDP looks for the output's tensors in dicts only, and a sentence-transformers model
-        # returns its input (a tokenizer's BatchEncoding) with its outputs added. Unseen, they would leave
-        # every parameter "unused" (find_unused_parameters) and then "marked ready twice".
+        # A plain dict: DDP finds output tensors in dicts only, and sentence-transformers returns its input
+        # (a BatchEncoding) with its outputs added: unseen, they leave every parameter "unused".
         return dict(features) if isinstance(features, Mapping) else features
 
     return select
@@ -649,8 +618,7 @@ def tokenize_per_chunk(tokenize):
 # --- RNG replay: the re-encoding must draw the dropout masks of the first encoding -----------------------
 @dataclasses.dataclass
 class RngState:
-    """The generators' states before a group's first forward: the CPU's and every initialized CUDA device's.
-    Stage 3 replays them, so that dropout draws the masks of stage 1 and the re-encoding is the encoding."""
+    """The CPU's and initialized CUDA devices' RNG before a group's first forward: stage 3 replays them."""
 
     cpu: torch.Tensor
     cuda: list
@@ -709,8 +677,7 @@ def collective_device():
 
 
 class ChunkOutOfMemory(RuntimeError):
-    """A chunk did not fit; gradients may hold part of the step. `agreed`: every process raised it together;
-    False: this one alone, the others maybe waiting in a collective it will never join: end the job."""
+    """A chunk did not fit (gradients may hold part of the step); `agreed` False: this process alone: end."""
 
     def __init__(self, message, agreed=True):
         super().__init__(message)
@@ -747,14 +714,10 @@ class OutOfMemory:
         return also
 
     def error(self, agreed):
-        def shown(values):
-            return values[0] if len(set(values)) == 1 else values
-
-        smaller = shown([max(limit // 2, 1) for limit in self.limits])
-        if self.by_tokens:
-            chunk, use = f"up to {shown(self.limits)} padded tokens", "chunk_tokens"
-        else:
-            chunk, use = f"{shown(self.limits)} examples", "chunk size"
+        halves = [max(limit // 2, 1) for limit in self.limits]
+        limit, smaller = (values[0] if len(set(values)) == 1 else values for values in (self.limits, halves))
+        chunk = f"up to {limit} padded tokens" if self.by_tokens else f"{limit} examples"
+        use = "chunk_tokens" if self.by_tokens else "chunk size"
         return ChunkOutOfMemory(
             f"a chunk of {chunk} ran out of memory (on this or another process). Use a {use} of {smaller} or "
             "less: the batch, and so the gradients, stay the same; a step takes longer.",
@@ -767,9 +730,7 @@ def check_step_arguments(encoders, columns, limits, by_tokens, lengths, allow_ba
     if not columns:
         raise ValueError("columns is empty: pass at least an anchor and a positive column.")
     if len(encoders) != len(columns):
-        raise ValueError(
-            f"{len(encoders)} encoders for {len(columns)} columns: pass one shared or one per column."
-        )
+        raise ValueError(f"{len(encoders)} encoders for {len(columns)} columns: pass one, or one per column.")
     name, what = ("chunk_tokens", "token budgets") if by_tokens else ("chunk_size", "chunk sizes")
     if len(limits) != len(columns):
         raise ValueError(f"{len(limits)} {what} for {len(columns)} columns: pass one int or one per column.")
@@ -782,9 +743,7 @@ def check_step_arguments(encoders, columns, limits, by_tokens, lengths, allow_ba
     if sizes[0] == 0:
         raise ValueError("the batch is empty: every column needs at least one example.")
     if len(set(sizes)) > 1:
-        raise ValueError(
-            f"columns hold different numbers of examples {sizes}: every column needs one per row."
-        )
+        raise ValueError(f"columns hold different numbers of examples {sizes}: each needs one per row.")
     if not allow_batch_mixing:
         for encoder in {id(e): e for e in encoders}.values():
             if isinstance(encoder, nn.Module):
@@ -807,16 +766,14 @@ def check_loss_takes_local_rows(loss_fn, cross_process_negatives):
         parameters = []
     if not any(p.name == "local_rows" or p.kind is p.VAR_KEYWORD for p in parameters):
         raise ValueError(
-            "with cross_process_negatives each process computes only its own rows of the loss, so loss_fn "
-            "must accept `local_rows` (a slice of the global batch's rows) and return those rows' terms "
-            "divided by the global batch size, as contrastive_loss does. Add that argument to your loss, "
-            "or pass cross_process_negatives=False."
+            "with cross_process_negatives each process computes only its own rows of the loss: loss_fn must "
+            "accept `local_rows` (a slice of the global batch's rows) and return those rows' terms divided "
+            "by the global batch size, as contrastive_loss does; or pass cross_process_negatives=False."
         )
 
 
 def check_examples_independent(module):
-    """Raise if `module` mixes examples across the batch (BatchNorm in training mode): a chunk's outputs
-    would differ from the full batch's, so no chunked gradient could equal the full-batch one."""
+    """Raise if `module` mixes examples across the batch (BatchNorm in training): no chunk would be exact."""
     mixing = [
         name or type(module).__name__
         for name, layer in module.named_modules()
@@ -824,18 +781,15 @@ def check_examples_independent(module):
     ]
     if mixing:
         raise ValueError(
-            f"Gradient Cache cannot be exact: {', '.join(mixing)} normalizes over the batch, so a chunk sees "
-            "other statistics than the full batch. Put these layers in eval mode, replace them (LayerNorm), "
-            "or pass allow_batch_mixing=True to accept inexact gradients."
+            f"Gradient Cache cannot be exact: {', '.join(mixing)} normalizes over the batch (a chunk's "
+            "statistics differ). Use eval mode, replace them (LayerNorm), or pass allow_batch_mixing=True."
         )
 
 
 # --- Hugging Face accelerate (passed in, never imported) -------------------------------------------------
 def accelerate_sync_context(accelerator, *models):
-    """`sync_context` for accelerate: only the last chunk of the last outer micro-batch synchronizes.
-
-    `accelerator.sync_gradients` is False for every other chunk, so DeepSpeed neither reduces nor steps
-    there; under DDP they run in `accelerator.no_sync(model)`, saving N - 1 all-reduces."""
+    """`sync_context` for accelerate: only the last chunk of the last outer micro-batch synchronizes. The
+    others: `sync_gradients` False (DeepSpeed neither reduces nor steps) and, under DDP, `no_sync(model)`."""
 
     @contextlib.contextmanager
     def sync_context(is_last):
@@ -882,17 +836,16 @@ def contrastive_loss(
     `TiledCrossEntropy` computes each row's term tile by tile. `similarity="cos"` normalizes first, "dot"
     does not; `symmetric` averages L with the positive-to-anchor direction (a second tiled pass).
 
-    tile_size:        rows and columns of a score tile. None: `default_tile_size`.
+    tile_size:        rows and columns of a score tile (`default_tile_size`). false_negatives: a
+                      `FalseNegatives`, candidates of a row that are not negatives and leave its softmax.
     matryoshka_dims:  sum_m w_m L(m), L(m) on the first m dimensions renormalized (MatryoshkaLoss; w = 1).
     local_rows:       the anchors (and positives) whose terms this call computes, still divided by the
                       whole B: one process's share under cross-process negatives.
-    false_negatives:  a `FalseNegatives`: candidates of a row that are not negatives leave its softmax.
-    stats:            receives "masked_fraction" (of the candidates, over every direction and size),
-                      "accuracy" (anchors whose positive scores highest) and with Matryoshka
-                      "matryoshka_losses": {dim: L(dim)} unweighted, the mean over the rows computed.
-    teacher_scores:   B x (1 + k) teacher scores (a cross-encoder's) of each anchor's positive and hard
-                      negatives: adds distill_weight x KL(teacher's softmax || student's) over each
-                      anchor's own group at `distill_temperature` (FlagEmbedding, tevatron), full width."""
+    stats:            receives "masked_fraction" (of the candidates), "accuracy" (anchors whose positive
+                      scores highest), with Matryoshka "matryoshka_losses" {dim: unweighted L(dim)}.
+    teacher_scores:   B x (1 + k) teacher scores of each anchor's positive and hard negatives: adds
+                      distill_weight x KL(teacher's softmax || student's) over the anchor's group at
+                      `distill_temperature` (FlagEmbedding, tevatron), on the full width."""
     rows = slice(0, len(anchor)) if local_rows is None else local_rows
     counts = [0, 0]  # candidates masked, candidates seen
     hits = [0, 0] if stats is not None else None  # anchors whose positive scores highest, anchors
@@ -929,13 +882,12 @@ def group_loss(
     distill_weight: float = 1.0,
     distill_temperature: float = 1.0,
 ):
-    """Without in-batch negatives: each anchor against its own group only, one term per row (`group_step`).
+    """Without in-batch negatives: each anchor against its own group only, one term per row (`group_step`):
 
         l_i = LSE_j(s_ij) - s_i0,   s_i0 = tau <a_i, p_i>,  s_ij = tau <a_i, n_ij>   (j = 1..k)
 
-    The scores are rows x (1 + k), never rows x N. The options are `contrastive_loss`'s; `rows` are the
-    batch's indices of the rows these representations hold (a chunk's), to read `false_negatives` and
-    `teacher_scores`. `stats` accumulates "masked" and "seen" hard negatives, and "masked_fraction"."""
+    rows x (1 + k) scores. The options are `contrastive_loss`'s; `rows`: the batch's indices of these rows,
+    for `false_negatives` and `teacher_scores`; `stats` adds up "masked", "seen" and "masked_fraction"."""
     rows = torch.arange(len(anchor)) if rows is None else rows
     masked = [0]  # hard negatives masked
     own_group = functools.partial(group_terms, scale=scale, rows=rows)
@@ -954,10 +906,9 @@ def group_loss(
 
 # --- The skeleton of both: normalize, each Matryoshka size, distillation; a new term goes here -----------
 def loss_skeleton(own_term, columns, rows, scale, similarity, matryoshka, distill):
-    """Both losses: `own_term(*columns)` on the normalized columns at each Matryoshka size, plus distillation.
-    Returns (the loss, each Matryoshka size's own term or None). rows: (the rows of `columns` the terms are
-    of, their indices into the side data, the batch size dividing a per-row term's sum: None keeps one term
-    per row); matryoshka: (dims, weights); distill: (teacher scores, weight, temperature)."""
+    """Both losses: `own_term(*columns)` normalized at each Matryoshka size, plus distillation -> (the loss,
+    each size's own term or None). rows: (the rows the terms are of, their side data's indices, the batch
+    size dividing a per-row sum: None keeps a term per row); matryoshka: (dims, weights); distill."""
     if similarity not in ("cos", "dot"):
         raise ValueError(f"similarity must be 'cos' or 'dot', got {similarity!r}")
     (local, side_rows, batch_size), (dims, weights) = rows, matryoshka
@@ -983,10 +934,7 @@ def loss_skeleton(own_term, columns, rows, scale, similarity, matryoshka, distil
 def check_matryoshka(dims, weights, width):
     weights = [1.0] * len(dims) if weights is None else list(weights)
     if len(weights) != len(dims):
-        raise ValueError(
-            f"{len(weights)} matryoshka_weights for {len(dims)} matryoshka_dims: give one weight per "
-            "dimension."
-        )
+        raise ValueError(f"{len(weights)} matryoshka_weights for {len(dims)} matryoshka_dims: one per dim.")
     for dim in dims:
         if not isinstance(dim, int) or not 0 < dim <= width:
             raise ValueError(
@@ -1166,17 +1114,15 @@ class TileMask:
 
 # --- Tiles: the B x N scores, never held at once ---------------------------------------------------------
 def tiled_cross_entropy(queries, keys, first_target, scale, tile_size=None, mask=None, hits=None):
-    """Per row i: LSE_j(s_ij) - s_i,t(i), s_ij = tau <q_i, k_j>, t(i) = first_target + i; never B x N.
-    A `TileMask` leaves entries out of the log-sum-exp (never the targets). `hits`, a list [rows whose target
-    scores highest, rows], is added to."""
+    """Per row i: LSE_j(s_ij) - s_i,t(i), s_ij = tau <q_i, k_j>, t(i) = first_target + i; never B x N. A
+    `TileMask` leaves entries out (never targets); `hits` ([rows whose target scores highest, rows]) adds."""
     tile_size = tile_size or default_tile_size(len(queries), len(keys))
     return TiledCrossEntropy.apply(queries, keys, int(first_target), float(scale), int(tile_size), mask, hits)
 
 
 def default_tile_size(rows, columns):
-    """The automatic tile: 2048, or the whole score matrix's longer side when that is shorter. Large enough
-    that its products run at full speed (on a CPU at batch 4096, d = 384, tiles of 1024, 2048 and 4096 took
-    the same time); beyond that a tile only costs memory: 16 MiB in fp32 at 2048, whatever the batch."""
+    """2048, or the score matrix's longer side if shorter: products at full speed (CPU, batch 4096, d = 384:
+    tiles of 1024, 2048, 4096 took the same time); larger costs memory (16 MiB fp32 at 2048, any batch)."""
     return max(1, min(2048, max(rows, columns)))
 
 
