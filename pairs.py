@@ -24,6 +24,7 @@ import glob
 import gzip
 import itertools
 import json
+import math
 import random
 import re
 import socket
@@ -47,8 +48,7 @@ __all__ = [
 
 
 class DataError(ValueError):
-    """The data cannot be used as given: the message names the place and what to do (train.py prints it as
-    its one-line failure)."""
+    """The data cannot be used as given: the message names the place and what to do, in one line."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -57,52 +57,29 @@ class DataError(ValueError):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def load_pairs(
-    source,
-    columns="",
-    skip_bad_records=False,
-    max_text_chars=20_000,
-    say=print,
-    flag="--data",
-    teacher_scores=False,
-):
-    """(datasets.Dataset, number of records skipped) from `source`, any form locate_data reads: a .jsonl,
-    .json (JSON lines or one array of records), .csv, .tsv or .parquet file (optionally .gz), a folder or glob
-    of them, a save_to_disk folder or a hub data set, name[:split]. `columns` maps fields to roles as
-    --columns does; `say` prints the mapping (main: on the main process only); `flag` names the source.
-
-    The fields are those of all the records, not of the first: every field is mapped to a role or printed as
-    unused, and a record without a mapped field that others have is a bad record. The data set's columns:
-    anchor, positive, then negative_1, negative_2... A list of positives stays a list (PositiveDraws picks
-    one per epoch); the negatives fields, texts or lists, line up as negative_1, negative_2... Every record is
-    checked first: a bad one stops the run, naming its place and problem, or with `skip_bad_records` is left
-    out and counted. With `teacher_scores`, each record's scores of its positives and negatives
-    (`read_teacher_scores`) become the columns positive_scores and negative_scores.
-    """
+def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000, say=print, flag="--data",
+               teacher_scores=False):  # fmt: skip
+    """(datasets.Dataset, records skipped) from `source`, any form locate_data reads; `columns` maps fields to
+    roles as --columns does, `say` prints the mapping (the fields of all the records: each has a role or is
+    unused), `flag` names the source. Columns: anchor, positive (a list stays a list: PositiveDraws picks one
+    per epoch), negative_1..., with `teacher_scores` positive_scores, negative_scores. Each record is checked
+    first: a bad one stops the run, named with its place, or with `skip_bad_records` is left out, counted."""
     records = list(read_records(source, flag))
-    present = collections.Counter(
-        field for _, record in records if isinstance(record, dict) for field in record
-    )
-    fields, named = role_fields(columns, available=present), parse_columns(columns)
-    absent = [f"{field!r} ({role})" for role, field in fields if field not in present]
-    if absent and present:  # with no field at all, no record could be read: the first is named below
-        raise DataError(
-            f"{source} has no field {', '.join(absent)} in any record, only {sorted(present)}. {MAP_YOURS}"
-        )
-    say(f"train.py: {source}: {field_roles(fields, present)}")
+    present = collections.Counter(field for _, r in records if isinstance(r, dict) for field in r)
+    fields, scores = mapped_fields(source, columns, present, teacher_scores)
+    say(f"train.py: {source}: {field_roles(fields + scores, present)}")
     examples, skipped = [], []
     for place, record in records:
         if isinstance(record, dict):  # else it says, in words, what is wrong with the record
             example = read_example(record, fields, max_text_chars, present)
-            record = read_teacher_scores(record, example, named) if teacher_scores else example
+            record = read_teacher_scores(record, example, scores) if teacher_scores else example
         if isinstance(record, dict):
             examples.append(record)
         elif skip_bad_records:
             skipped.append(f"{place} {record}")
-        else:
-            raise DataError(
-                f"{place} {record}. Fix or delete it, or pass --skip_bad_records to leave it out."
-            )
+        else:  # skipping leaves out the bad records, not all
+            todo = "Fix or delete it, or pass --skip_bad_records to leave it out" if present else NONE_READ
+            raise DataError(f"{place} {record}. {todo}.")
     if skipped:
         say(f"train.py: skipped {len(skipped)} bad records; the first: {skipped[0]}")
     if not examples:
@@ -129,19 +106,17 @@ def load_pairs(
 
 
 # The fields each role is read from when --columns does not name them: sentence-transformers' names, then
-# FlagEmbedding's (query, pos, neg). Negatives by default: every field named negative(s), neg(s) or
-# hard_negative(s), numbered or not (negative_1, neg2, hard_negative_3: sentence-transformers' n-tuples,
-# MS MARCO triplets, FlagEmbedding), or negative_text, negative_passage, negative_document; never
-# negative_score, neg_ids or other metadata. A role added here is read, checked and kept as a column; the
-# step hands every column to the loss in this order, the negatives last.
+# FlagEmbedding's (query, pos, neg). Negatives: any field named (hard_)negative(s) or neg(s), numbered or not,
+# or negative_text, _passage, _document, never negative_score, neg_ids...; a role added here is a column.
 DEFAULT_FIELDS = {"anchor": ("anchor", "query"), "positive": ("positive", "pos")}
 NEGATIVE_FIELD = re.compile(r"(hard_?)?(negative|neg)(s|_(text|passage|document))?(_?\d+)?", re.IGNORECASE)
 MAP_YOURS = "Map yours with --columns, e.g. --columns anchor=question,positive=answer,negatives=neg1+neg2"
+MAP_SCORES = "Map a teacher's scores with --columns pos_scores=s,neg_scores=s1+s2, or set --distill_weight 0"
+NONE_READ = "No record can be read, so --skip_bad_records would leave none: fix the file"
 
 
 def parse_columns(columns):
-    """{role: fields} from --columns ('anchor=q,positive=a,negatives=n1+n2,pos_scores=s'), stopped in one line
-    where it cannot be read."""
+    """{role: fields} from --columns ('anchor=q,positive=a,negatives=n1+n2,pos_scores=s'), or DataError."""
     named = {}
     for item in filter(None, columns.split(",")):
         role, _, fields = (part.strip() for part in item.partition("="))
@@ -166,9 +141,7 @@ def role_fields(columns, available):
     if "negatives" in named:
         negatives = [field for field in named["negatives"].split("+") if field]
     else:
-        negatives = sorted(
-            (field for field in available if NEGATIVE_FIELD.fullmatch(field)), key=number_order
-        )
+        negatives = sorted(filter(NEGATIVE_FIELD.fullmatch, available), key=number_order)
     return pairs + [("negative", field) for field in negatives]
 
 
@@ -179,10 +152,12 @@ def number_order(name):
 
 def field_roles(fields, present):
     """What each field is for: 'anchor <- query, positive <- pos, negatives <- neg; unused: id, score'."""
-    negatives = " + ".join(field for role, field in fields if role == "negative") or "none"
-    roles = ", ".join(f"{role} <- {field}" for role, field in fields if role != "negative")
+    roles = {role: [] for role in (*DEFAULT_FIELDS, "negatives")}
+    for role, field in fields:
+        roles.setdefault("negatives" if role == "negative" else role, []).append(field)
+    used = ", ".join(f"{role} <- {' + '.join(names) or 'none'}" for role, names in roles.items())
     unused = ", ".join(field for field in present if field not in {field for _, field in fields}) or "none"
-    return f"{roles}, negatives <- {negatives}; unused: {unused}"
+    return f"{used}; unused: {unused}"
 
 
 # A teacher's scores (FlagEmbedding's fields): one per positive and one per negative, a number or a list.
@@ -191,43 +166,54 @@ SCORE_COLUMNS = ("positive_scores", "negative_scores", "teacher_scores")
 SOURCE_COLUMN = "source"  # a batch's --data source, with several
 
 
-def read_teacher_scores(record, example, named):
-    """`example` with its teacher's scores, positive_scores and negative_scores, from the record's
-    pos_scores and neg_scores (or the fields --columns maps them to, `named` by parse_columns: pos_scores=f,
-    neg_scores=f1+f2), one number per positive and per negative, in their order; or what is wrong, in
-    words."""
+def mapped_fields(source, columns, present, teacher_scores):
+    """(role_fields' [(role, field)], [(column, field)] of the teacher's scores: pos_scores, neg_scores with
+    negatives or in records, or the fields --columns names), stopped where no record has a field."""
+    fields, named = role_fields(columns, available=present), parse_columns(columns)
+    negatives, scores = any(role == "negative" for role, _ in fields), []
+    for column, field in zip(SCORE_COLUMNS[:2], SCORE_FIELDS, strict=True) if teacher_scores else ():
+        names = named.get(field, field).split("+")
+        scores += [(column, name) for name in names if column[:3] == "pos" or negatives or name in present]
+    absent = [f"{field!r} ({role})" for role, field in fields + scores if field not in present]
+    if absent and present:  # with no field at all, no record could be read: the first is named below
+        hint = MAP_SCORES if any(field not in present for _, field in scores) else MAP_YOURS
+        raise DataError(
+            f"{source} has no field {', '.join(absent)} in any record, only {sorted(present)}. {hint}"
+        )
+    return fields, scores
+
+
+def read_teacher_scores(record, example, scores):
+    """`example` with positive_scores and negative_scores from the record's `scores` fields (mapped_fields):
+    one finite number per positive and per negative, in their order; or what is wrong, in words."""
     if not isinstance(example, dict):
         return example
-    for column, field, texts in (
-        ("positive_scores", "pos_scores", "positive"),
-        ("negative_scores", "neg_scores", "negative"),
-    ):
-        scores = []
-        for name in named.get(field, field).split("+"):
+    for column, field, texts in zip(SCORE_COLUMNS[:2], SCORE_FIELDS, ("positive", "negative"), strict=True):
+        read = example[column] = []
+        for name in (name for of, name in scores if of == column):
             if name not in record and example[texts]:
                 return f"has no field {name!r} (teacher scores, for --distill_weight), only {sorted(record)}"
             value = record.get(name, [])
             for score in value if isinstance(value, list) else [value]:
                 try:
-                    scores.append(float(score))
+                    read.append(float(score))
                 except (TypeError, ValueError):
                     return f"has field {name!r} = {str(score)[:40]!r}, not a score (a number)"
-        if len(scores) != len(example[texts]):
-            return f"has {len(scores)} {field} for {len(example[texts])} {texts}s: give one score per text"
-        example[column] = scores
+                if not math.isfinite(read[-1]):
+                    return f"has field {name!r} holding {score}, not a finite score"
+        if len(read) != len(example[texts]):
+            return f"has {len(read)} {field} for {len(example[texts])} {texts}s: give one score per text"
     return example
 
 
 def text_columns(column_names):
-    """The columns of texts, in order (anchor, positive, negatives), without the teacher's scores or the
-    source."""
+    """The columns of texts, in order (anchor, positive, negatives), not the teacher scores or the source."""
     return [column for column in column_names if column not in (*SCORE_COLUMNS, SOURCE_COLUMN)]
 
 
 def read_example(record, fields, max_chars, present):
-    """{role: [texts]} from one record, or what is wrong with it, in words: every mapped field must hold a
-    real text or, for a positive or negatives field, a non-empty list of texts. `present` counts the records
-    that have each field."""
+    """{role: [texts]} from one record, or what is wrong with it in words: each mapped field holds a real text
+    or, for a positive or negatives field, a non-empty list of them. `present`: records with each field."""
     example = {role: [] for role in (*DEFAULT_FIELDS, "negative")}
     for role, field in fields:
         if field not in record:
@@ -253,12 +239,11 @@ def read_example(record, fields, max_chars, present):
 
 def read_records(source, flag):
     """(place, record or what is wrong with it) for each record of `source`, the place naming its file: JSON
-    is read here, line by line or as one array of records; CSV and TSV by pandas; Parquet, save_to_disk
-    folders and hub data sets by datasets."""
+    read here, CSV and TSV by pandas, Parquet, save_to_disk folders and hub data sets by datasets."""
     kind, where, split = locate_data(source, flag)
     if kind == "beir":
         raise DataError(
-            f"{flag} {source} is a BEIR folder (queries, corpus, qrels): evaluate on it with --dev_data."
+            f"{flag} {source} is a BEIR folder (queries, corpus, qrels): evaluate it with --dev_data."
         )
     if kind == "files":
         return itertools.chain.from_iterable(file_records(path) for path in where)
@@ -270,17 +255,14 @@ def read_records(source, flag):
         if isinstance(dataset, datasets.DatasetDict):
             dataset = dataset[one_split(dataset, split, source, flag)]
     except Exception as err:
-        what = (
-            "a save_to_disk folder" if kind == "saved" else "a hub data set (needs network or a cached copy)"
-        )
-        raise DataError(
-            f"{flag} {source} could not be read as {what} ({type(err).__name__}: {err})."
-        ) from err
+        what = "a save_to_disk folder" if kind == "saved" else "a hub data set (needs network or a cache)"
+        raise DataError(f"{flag} {source} could not be read as {what} ({type(err).__name__}: {err})") from err
     return ((f"{source}, record {i}", record) for i, record in enumerate(dataset, 1))
 
 
 # The data files read, by suffix (then optionally .gz); a folder or glob of them is read file after file.
 DATA_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet"}
+FORMAT_NAMES = ", ".join(DATA_FORMATS).replace(", .parquet", " or .parquet")
 
 
 def data_format(path):
@@ -290,7 +272,6 @@ def data_format(path):
 
 def locate_data(source, flag):
     """(kind, where, split) of a --data or --dev_data value; one naming nothing stops at once, in one line.
-
     kind "files": `where` lists the data files (one file, a glob such as shards/*.jsonl, or a folder, read as
     datasets splits its files: train-*.parquet...); "saved": a save_to_disk folder; "beir": a BEIR folder;
     "hub": a hub data set name. A split follows a folder or hub name after a colon: name:split."""
@@ -318,7 +299,7 @@ def locate_data(source, flag):
         files = [Path(file) for file in splits[one_split(splits, split, source, flag)]] if splits else []
         files = [file for file in files if data_format(file)]
         if not files:
-            raise DataError(f"{flag} {source}: a folder without .jsonl, .json, .csv, .tsv or .parquet files.")
+            raise DataError(f"{flag} {source}: a folder without {FORMAT_NAMES} files.")
     elif data_format(name) is None and is_hub_name(name):
         if (offline := hub_out_of_reach()) and not huggingface_hub.constants.is_offline_mode():
             raise DataError(
@@ -334,8 +315,7 @@ def locate_data(source, flag):
     if len(formats) > 1 or None in formats:
         kinds = ", ".join(sorted({"".join(file.suffixes) or file.name for file in files}))
         raise DataError(
-            f"{flag} {source} holds {kinds}: give files of one format, .jsonl, .json, .csv, .tsv or .parquet "
-            "(optionally .gz)."
+            f"{flag} {source} holds {kinds}: give files of one format, {FORMAT_NAMES} (optionally .gz)."
         )
     return "files", files, None
 
@@ -386,17 +366,15 @@ def is_hub_name(name):
 
 @functools.cache
 def hub_out_of_reach():
-    """Why the hub cannot be reached ("" when it can): HF_HUB_OFFLINE, or no answer within 3 s. Without
-    network, and without HF_HUB_OFFLINE, the hub clients retry each request for 23 s: a misspelled model
-    path took 100 s to fail."""
+    """Why the hub cannot be reached ("" when it can): HF_HUB_OFFLINE, or no answer within 3 s (without
+    network or HF_HUB_OFFLINE the hub clients retry each request for 23 s: a misspelled model took 100 s)."""
     if huggingface_hub.constants.is_offline_mode():
         return "HF_HUB_OFFLINE is set"
     if urllib.request.getproxies().get("https"):
         return ""  # reached through the proxy, which a direct connection cannot probe
     endpoint = urllib.parse.urlsplit(huggingface_hub.constants.ENDPOINT)
-    address = (endpoint.hostname, endpoint.port or 443)
     try:
-        socket.create_connection(address, timeout=3).close()
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=3).close()
     except OSError as err:
         return f"no network: {endpoint.hostname} did not answer ({err})"
     return ""
@@ -408,10 +386,6 @@ def json_array(path):
     with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as file:
         content = file.read()
     text = content.decode("utf-8", errors="replace")  # strictly decoded below, or by json_lines line by line
-    expected = (
-        'Write a JSON array of records, [{"anchor": ..., "positive": ...}, ...], or JSON lines, one record '
-        "per line."
-    )
     if text.lstrip().startswith("["):
         try:
             values = json.loads(content.decode("utf-8"))
@@ -422,7 +396,7 @@ def json_array(path):
             ) from None
         except json.JSONDecodeError as err:
             raise DataError(
-                f"{path} is not valid JSON ({err.msg}, line {err.lineno}, column {err.colno}). {expected}"
+                f"{path} is not valid JSON (line {err.lineno}, {json_error(err)}). {JSON_FORMS}"
             ) from None
         return [(f"{path}, record {i}", json_record(value)) for i, value in enumerate(values, 1)]
     if sum(1 for line in text.splitlines() if line.strip()) > 1:
@@ -431,7 +405,7 @@ def json_array(path):
         except json.JSONDecodeError:  # several values (JSON lines), or a bad line that json_lines names
             return None
         raise DataError(
-            f"{path} holds one JSON {type(whole).__name__} over several lines, not records. {expected}"
+            f"{path} holds one JSON {type(whole).__name__} over several lines, not records. {JSON_FORMS}"
         )
     return None
 
@@ -442,25 +416,38 @@ def json_lines(path):
         for number, raw in enumerate(lines, 1):
             try:
                 line = raw.decode("utf-8")
+                record = json_record(json.loads(line)) if line.strip() else None  # a blank line: none
             except UnicodeDecodeError as err:
-                yield (
-                    f"{path}, line {number}",
-                    f"is not valid UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1})",
-                )
-                continue
-            if not line.strip():
-                continue
-            try:
-                record = json_record(json.loads(line))
+                record = f"is not valid UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1})"
             except json.JSONDecodeError as err:
-                record = f"is not valid JSON ({err.msg}, column {err.colno})"
-            yield f"{path}, line {number}", record
+                record = f"is not valid JSON ({json_error(err)})"
+            if record is not None:
+                yield f"{path}, line {number}", record
 
 
 def json_record(value):
     if isinstance(value, dict):
         return value
     return f"is a JSON {type(value).__name__}, not an object with named fields"
+
+
+# What a .json file holds; the likely causes of json errors that do not say them ("Invalid control ... at")
+JSON_FORMS = (
+    'Write a JSON array of records, [{"anchor": ..., "positive": ...}, ...], or JSON lines, one record '
+    "per line."
+)
+JSON_CAUSES = {
+    "Invalid control character": "a raw tab or newline inside a string: write \\t or \\n",
+    "Invalid \\": "a backslash that starts no escape: write \\\\ for one",
+    "Extra data": "more after the record: one record a line",
+}
+
+
+def json_error(err):
+    """'column 323: invalid control character, a raw tab or newline inside a string: write \\t or \\n'."""
+    what = err.msg.removesuffix(" at").removesuffix(" starting")
+    cause = next((f", {cause}" for start, cause in JSON_CAUSES.items() if what.startswith(start)), "")
+    return f"column {err.colno}: {what[0].lower()}{what[1:]}{cause}"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -487,15 +474,13 @@ class BatchOrder:
 
 
 def make_loader(train_sets, order, names=None):
-    """The training batches of the sources' pairs (`names` name them in errors), which accelerate shards
-    over the processes; set_epoch orders each epoch. With several sources every optimizer step reads one
-    (SourceMix)."""
+    """The training batches of the sources' pairs (`names` name them in errors), which accelerate shards over
+    the processes; set_epoch orders each epoch. With several sources, one an optimizer step (SourceMix)."""
     if len(train_sets) == 1:
         sampler = NoDuplicatesOrder(train_sets[0], order.batch_size, order.seed, order.group)
     else:
         sampler = SourceMix(train_sets, order, names or [f"source {k}" for k in range(len(train_sets))])
-    # Its own generator: by default every new iterator draws a seed from the global RNG, so a resumed run
-    # (one iterator more) would draw other dropout masks than an uninterrupted one.
+    # Its own generator: by default each iterator draws a seed from the global RNG (a resume: other masks).
     return torch.utils.data.DataLoader(
         sampler.examples, order.batch_size, sampler=sampler, drop_last=True, generator=torch.Generator()
     )
@@ -504,22 +489,18 @@ def make_loader(train_sets, order, names=None):
 class NoDuplicatesOrder(torch.utils.data.Sampler):
     """Indices in the batch order of sentence-transformers' NoDuplicatesBatchSampler: no text twice in a
     batch, across columns (a duplicate is a false negative); seeded by seed + epoch, so a resume replays it.
-
     A flat sampler, not a batch sampler: the DataLoader then keeps a `batch_size`, which accelerate needs to
-    shard batches over processes and to fill DeepSpeed's "auto" micro-batch size.
-
-    `group` batches in a row hold no text twice together: with cross-process negatives the contrastive
-    batch of a step is the batches of all processes, which accelerate deals out as consecutive batches of
-    this order (process i takes batches i, i + P, ...).
-    """
+    shard batches over processes and to fill DeepSpeed's "auto" micro-batch size. `group` batches in a row
+    hold no text twice together: with cross-process negatives a step contrasts the batches of all processes,
+    which accelerate deals out as consecutive batches (process i takes batches i, i + P, ...)."""
 
     def __init__(self, dataset, batch_size, seed, group=1):
         self.examples = PositiveDraws(dataset, seed)  # what the DataLoader reads: one positive per example
-        self.texts = PositiveDraws(dataset, seed, texts_only=True)  # what the sampler compares: no scores
-        self.batches = NoDuplicatesBatchSampler(
-            self.texts, batch_size * group, True, generator=torch.Generator(), seed=seed
-        )
-        self.batch_size = batch_size * group
+        texts = self.texts = PositiveDraws(
+            dataset, seed, texts_only=True
+        )  # what the sampler compares: no scores
+        size = self.batch_size = batch_size * group
+        self.batches = NoDuplicatesBatchSampler(texts, size, True, generator=torch.Generator(), seed=seed)
 
     def set_epoch(self, epoch):  # called by accelerate's DataLoaderShard.set_epoch
         self.examples.epoch = self.texts.epoch = epoch
@@ -537,13 +518,11 @@ class SourceMix(torch.utils.data.Sampler):
     so that its in-batch negatives come from one task and all processes compute one loss.
 
     Each source is read in its own NoDuplicatesOrder, cut into steps of batch_size x processes x
-    gradient_accumulation_steps examples, which accelerate deals out as consecutive batches (process i takes
-    batches i, i + P, ...); a source's last part step is left out. The sources of epoch e's steps are drawn
-    from (seed, e): by default every step of every source once, in a shuffled order; with --data_weights as
-    many steps, each source drawn with those odds; round_robin, the sources in turn until the largest is read.
-    A source used up starts its next pass in a new order. The indices name (source, pass, example): the order
-    is a function of the seed and the epoch alone, so set_epoch, and a resume, replay it.
-    """
+    gradient_accumulation_steps examples (a last part step left out). The sources of epoch e's steps are
+    drawn from (seed, e): by default every step of every source once, shuffled; with --data_weights as many
+    steps, each source drawn with those odds; round_robin, the sources in turn until the largest is read. A
+    source used up starts its next pass in a new order. The indices name (source, pass, example): the order
+    is a function of the seed and the epoch alone, so set_epoch, and a resume, replay it."""
 
     def __init__(self, train_sets, order, names):
         self.orders = [  # each source's own seed: two copies of a file are not read in step
@@ -556,10 +535,9 @@ class SourceMix(torch.utils.data.Sampler):
         for name, source, steps in zip(names, self.orders, self.steps, strict=True):
             if steps == 0:
                 raise DataError(
-                    f"{name} makes no optimizer step: one takes {self.step_size} examples "
-                    f"(--batch_size x {order.processes} processes x --gradient_accumulation_steps), no "
-                    f"text twice in a batch, and it gives {len(source)}. Lower --batch_size, or leave the "
-                    "source out."
+                    f"{name} makes no optimizer step: one takes {self.step_size} examples (--batch_size x "
+                    f"{order.processes} processes x --gradient_accumulation_steps), no text twice in a "
+                    f"batch, and it gives {len(source)}. Lower --batch_size, or leave the source out."
                 )
         self.seed, self.weights, self.sampling = order.seed, order.data_weights, order.data_sampling
         self.epoch, self.steps_per_epoch = 0, len(self.schedule(0))  # the same every epoch
@@ -580,10 +558,7 @@ class SourceMix(torch.utils.data.Sampler):
         self.epoch = epoch
 
     def __iter__(self):
-        used = [0] * len(self.orders)  # each source's steps taken before this epoch
-        for epoch in range(self.epoch):
-            for source in self.schedule(epoch):
-                used[source] += 1
+        used = collections.Counter(source for epoch in range(self.epoch) for source in self.schedule(epoch))
         orders = {}
         for source in self.schedule(self.epoch):
             source_pass, step = divmod(used[source], self.steps[source])
@@ -648,9 +623,8 @@ class PositiveDraws(torch.utils.data.Dataset):
 
 def load_beir(folder, split, say=print):
     """(queries, corpus, relevant docs) of a BEIR folder: corpus.jsonl (_id, title, text), queries.jsonl
-    (_id, text) and qrels/<split>.tsv (query-id, corpus-id, score, with that header), split dev, else test.
-    Relevant: a score above 0. A document is its title and text, as BEIR's own models encode it; the queries
-    are those with a relevant document."""
+    (_id, text), qrels/<split>.tsv (query-id, corpus-id, score; that header), split dev, else test. Relevant:
+    a score above 0. A document: its title and text, as BEIR's models encode it; queries: those with one."""
     splits = {path.stem: path for path in sorted((folder / "qrels").glob("*.tsv"))}
     if not splits:
         raise DataError(
@@ -693,11 +667,10 @@ def load_beir(folder, split, say=print):
 
 
 def build_evaluator(dev, num_queries, prompts=None):
-    """Retrieve each query's relevant documents among the whole corpus, scored by sentence-transformers.
-    `dev`: pairs, whose distinct positives are the corpus and a query's own positives the relevant ones, or a
-    BEIR folder's (queries, corpus, relevant docs). The first `num_queries` queries (0: all)."""
+    """Retrieve each query's relevant documents among the whole corpus, scored by sentence-transformers, for
+    the first `num_queries` queries (0: all) of `dev`: pairs (pairs_retrieval) or load_beir's."""
     queries, corpus, relevant_docs = dev if isinstance(dev, tuple) else pairs_retrieval(dev)
-    kept = list(queries)[: num_queries or None]
+    kept, prompts = list(queries)[: num_queries or None], prompts or {}
     return InformationRetrievalEvaluator(
         queries={query_id: queries[query_id] for query_id in kept},
         corpus=corpus,
@@ -710,10 +683,9 @@ def build_evaluator(dev, num_queries, prompts=None):
         batch_size=128,
         name="dev",
         write_csv=False,
-        # "" for none: given None, the evaluator would fall back to the model's own prompt, which training,
-        # given None, leaves out
-        query_prompt=(prompts or {}).get("query") or "",
-        corpus_prompt=(prompts or {}).get("document") or "",
+        # "" for none: given None, the evaluator falls back to the model's prompt, which training leaves out
+        query_prompt=prompts.get("query") or "",
+        corpus_prompt=prompts.get("document") or "",
     )
 
 

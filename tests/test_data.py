@@ -214,3 +214,100 @@ def test_a_plain_transformers_model_needs_a_pooling(
     model = train.load_model(str(plain), "cpu", "cls")  # as main loads it with --pooling cls
     assert [module.pooling_mode for module in model if hasattr(module, "pooling_mode")] == ["cls"]
     assert f"--model {plain}: cls pooling (--pooling)" in capsys.readouterr().out
+
+
+SCORED = [
+    {"query": f"q{i}", "pos": [f"p{i}"], "neg": [f"n{i}"], "pos_scores": [1.0], "neg_scores": [0.5], "id": i}
+    for i in range(3)
+]
+
+
+def test_distilling_names_the_teacher_scores_as_used(tmp_path, monkeypatch, capsys):
+    """--distill_weight reads pos_scores and neg_scores: the field line listed them as unused."""
+    path = write_rows(tmp_path / "scored.jsonl", SCORED)
+    run = ("--model", tmp_path, "--data", path, "--dev_data", "", "--output_dir", tmp_path / "run")
+    (loaded,), _, _ = data_as_loaded(monkeypatch, *run, "--distill_weight", 0.5)
+    assert loaded["negative_scores"] == [[0.5]] * 3
+    printed = capsys.readouterr().out
+    assert (
+        "negatives <- neg, positive_scores <- pos_scores, negative_scores <- neg_scores; unused: id"
+        in printed
+    )
+    train.load_pairs(str(path))  # without distilling they are not read
+    assert "negatives <- neg; unused: pos_scores, neg_scores, id" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "-inf"])
+def test_a_non_finite_teacher_score_is_a_bad_record(tmp_path, capsys, bad):
+    """A NaN score (JSON reads NaN and Infinity) went into the distillation loss."""
+    rows = [dict(row) for row in SCORED]
+    rows[1]["neg_scores"] = [bad]
+    path = str(write_rows(tmp_path / "scored.jsonl", rows))
+    load = functools.partial(train.load_pairs, path, teacher_scores=True)
+    fails_with(
+        capsys,
+        load,
+        f"{path}, line 2 has field 'neg_scores' holding {bad}, not a finite score",
+        "--skip_bad_records",
+    )
+    loaded, skipped = load(skip_bad_records=True)
+    assert skipped == 1 and loaded["anchor"] == ["q0", "q2"]
+
+
+def test_skipping_is_offered_only_where_it_leaves_records(tmp_path, capsys):
+    """Where no record has the teacher's scores, or none can be read, --skip_bad_records would skip all."""
+    unscored = [{key: value for key, value in row.items() if "scores" not in key} for row in SCORED]
+    path = str(write_rows(tmp_path / "unscored.jsonl", unscored))
+    message = fails_with(
+        capsys,
+        lambda: train.load_pairs(path, teacher_scores=True),
+        f"{path} has no field 'pos_scores' (positive_scores), 'neg_scores' (negative_scores) in any record",
+        "--columns pos_scores=",
+        "--distill_weight 0",
+    )
+    assert "--skip_bad_records" not in message
+    path = str(write_rows(tmp_path / "some.jsonl", unscored[:1] + SCORED[1:]))  # the first has none
+    fails_with(
+        capsys,
+        lambda: train.load_pairs(path, teacher_scores=True),
+        f"{path}, line 1 has no field 'pos_scores'",
+        "--skip_bad_records",
+    )
+    (tmp_path / "python.jsonl").write_text(
+        "{'anchor': 'a', 'positive': 'p'}\n" * 2
+    )  # Python's repr, not JSON
+    message = fails_with(
+        capsys,
+        lambda: train.load_pairs(str(tmp_path / "python.jsonl")),
+        "line 1 is not valid JSON (column 2: expecting property name enclosed in double quotes)",
+        "No record can be read",
+    )
+    assert "pass --skip_bad_records" not in message
+
+
+def test_a_json_syntax_error_names_its_line_column_and_cause(tmp_path, capsys):
+    """Python's "Invalid control character at: line 1 column 14 (char 13)" read "Invalid control character at,
+    column 14"."""
+    good = '{"anchor": "a", "positive": "p"}\n'
+    (tmp_path / "raw.jsonl").write_text(good + '{"anchor": "a\tb", "positive": "p"}\n')
+    fails_with(
+        capsys,
+        lambda: train.load_pairs(str(tmp_path / "raw.jsonl")),
+        "raw.jsonl, line 2 is not valid JSON (column 14: invalid control character, a raw tab or newline "
+        "inside a string: write \\t or \\n)",
+    )
+    (tmp_path / "split.jsonl").write_text(good + '{"anchor": "a\nb", "positive": "p"}\n')  # a line cut in two
+    fails_with(
+        capsys,
+        lambda: train.load_pairs(str(tmp_path / "split.jsonl")),
+        "split.jsonl, line 2 is not valid JSON (column 14: invalid control character, a raw tab or newline",
+    )
+    (tmp_path / "array.json").write_text(
+        '[{"anchor": "a", "positive": "p"},\n {"anchor": "a\tb", "positive": "p"}]'
+    )
+    fails_with(
+        capsys,
+        lambda: train.load_pairs(str(tmp_path / "array.json")),
+        "array.json is not valid JSON (line 2, column 15: invalid control character, a raw tab or newline",
+        "JSON array of records",
+    )

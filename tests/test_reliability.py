@@ -210,6 +210,7 @@ MALFORMED = {  # kind: (records or lines, what the message must say)
     "too long": (st.just(GOOD | {"negative": "x" * 101}), "over --max_text_chars 100"),
     "invalid utf-8": (st.just(b'{"anchor": "caf\xe9", "positive": "p", "negative": "n"}'), "not valid UTF-8"),
     "not json": (st.just(b'{"anchor": "a", "positive": '), "not valid JSON"),
+    "raw tab": (st.just(b'{"anchor": "a\tb", "positive": "p"}'), "column 14: invalid control character"),
     "not an object": (st.sampled_from([b"[1, 2]", b'"text"', b"3"]), "not an object"),
 }
 
