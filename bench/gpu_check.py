@@ -19,6 +19,13 @@ each must overflow its first steps, skip and count them (never as non-finite ste
 --max_bad_steps 2 says), lower the scale, then train to finite weights. Two more launches, about a minute.
 
     python bench/gpu_check.py --overflow_only    # only these two runs
+
+The graph_budget sweep of bench/speed.py on the GPU, nothing else: gradcache_step keeping 0, 1/4, 1/2 and
+all of its stage-1 graphs against the no-cache lower bound, at batch 256 and 1,024, chunk 32, the whole
+all-MiniLM-L6-v2, peak memory by torch.cuda.max_memory_allocated; the table goes to $OUT/gpu_budget_sweep.md
+(else bench/results/). Two warm-up and three measured rounds: about a minute on one GPU.
+
+    python bench/gpu_check.py --budget_sweep
 """
 
 import argparse
@@ -34,7 +41,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]  # gradcache.py and the shared worker
+sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "bench")]  # gradcache.py, the worker, speed.py
 
 from backend_worker import Case, compare, launch, markdown_table, passes  # noqa: E402
 
@@ -152,6 +159,24 @@ def run_overflow_checks(out_dir):
     return "\n".join(rows) + "\n", all_passed
 
 
+def run_budget_sweep():
+    """bench/speed.py's graph_budget sweep on CUDA; the markdown table, also written beside gpu_check.md."""
+    import harness
+    import speed
+
+    rows = speed.budget_sweep("cuda", (256, 1024), chunk_size=32, rounds=3, warmup=2, num_layers=0)
+    header = ["batch", "budget (of all graphs)", "groups kept", "seconds", "/ lower bound", "peak MiB"]
+    report = (
+        f"# graph_budget sweep\n\n{torch.cuda.get_device_name()}, torch {torch.__version__}: gradcache_step "
+        "(gradient only) against the no-cache lower bound, chunk 32, all-MiniLM-L6-v2; peak above the "
+        "step's start, torch.cuda.max_memory_allocated.\n\n" + harness.markdown_table(header, rows) + "\n"
+    )
+    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_budget_sweep.md").write_text(report)
+    return report
+
+
 def main():
     options = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -159,11 +184,16 @@ def main():
     options.add_argument(
         "--overflow_only", action="store_true", help="only the fp16 overflow runs of train.py"
     )
-    overflow_only = options.parse_args().overflow_only
+    options.add_argument("--budget_sweep", action="store_true", help="only the graph_budget sweep")
+    parsed = options.parse_args()
+    overflow_only = parsed.overflow_only
     if not torch.cuda.is_available():
         sys.exit(
             "gpu_check.py needs CUDA: torch sees no GPU here. The CPU checks are tests/test_backends.py."
         )
+    if parsed.budget_sweep:
+        run_budget_sweep()
+        return
     rows, notes = [], []
     with tempfile.TemporaryDirectory() as out_dir:
         if not overflow_only:
