@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from references import assert_exact, assert_inexact
+from references import Exactness, assert_exact, assert_inexact, relative_error
 from safetensors.torch import load_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -136,7 +136,8 @@ def run_main(monkeypatch, *argv):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
     try:
-        train.main(train.parse_args([*map(str, argv), "--wandb_mode", "disabled"]))
+        wandb = () if "--wandb_mode" in map(str, argv) else ("--wandb_mode", "disabled")
+        train.main(train.parse_args([*map(str, argv), *wandb]))
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
@@ -353,6 +354,42 @@ def updates(trained, initial):
     return {name: w.double() - initial[name].double() for name, w in trained.items()}
 
 
+@pytest.mark.parametrize("processes", [1, 2])
+def test_plain_runs_under_sgd_match_the_full_batch_replay(
+    tmp_path, data, model_without_dropout, monkeypatch, processes
+):
+    """The plain runs, one process (in this one) and two DDP processes (launched), with SGD in place of AdamW
+    (SGD_LR, SGD_CLIP), against replay_full_batch in float32 and float64 by references.py's rule: updates,
+    logged losses and gradient norms, each with the run scaled by 1 + 1e-3 as the negative control, and
+    the two-process run against the one-process replay (another partition of the batches)."""
+    common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS)
+    common += ("--lr", SGD_LR, "--max_grad_norm", SGD_CLIP, "--output_dir", tmp_path / "run")
+    if processes == 1:
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.optim, "AdamW", SGDInPlaceOfAdamW)
+            run_main(monkeypatch, *common)
+    else:
+        environment = {"ACCELERATE_USE_CPU": "true"} | sgd_environment(tmp_path)
+        launch(CONFIGS / "cpu_ddp_2proc.yaml", common[-1], *common[:-2], processes=2, env=environment)
+    float32, truth = (full_batch_replay(data, model_without_dropout, t, processes, sgd=True) for t in DTYPES)
+    run = updates(weights(tmp_path / "run" / "final"), weights(model_without_dropout))
+    update = assert_exact(run, float32["updates"], truth["updates"], f"{processes} plain, updates")
+    scaled = {key: (1 + 1e-3) * change for key, change in run.items()}
+    control = assert_inexact(scaled, float32["updates"], truth["updates"], "updates x (1 + 1e-3)")
+    print(f"plain x {processes} under SGD: updates {update}; x (1 + 1e-3): {control.error:.1e}")
+    logged = logged_scalars(tmp_path / "run")
+    for tag, key in (("train/loss", "losses"), ("train/grad_norm", "grad_norms")):
+        values = [value for _, value in logged[tag]]
+        measured = assert_exact(values, float32[key], truth[key], f"plain x {processes}, {tag}")
+        wrong = assert_inexact([v * (1 + 1e-3) for v in values], float32[key], truth[key], f"{tag} x 1.001")
+        print(f"plain x {processes} under SGD: {tag} {measured}; x (1 + 1e-3): {wrong.error:.1e}")
+    if processes == 2:
+        other = full_batch_replay(data, model_without_dropout, torch.float64, 1, sgd=True)["updates"]
+        wrong = Exactness(relative_error(run, other), update.e_ref)
+        assert not wrong.holds, f"two processes match the one-process replay: {wrong}"
+        print(f"plain x 2 under SGD: against the one-process replay {wrong.error:.1e}")
+
+
 def full_batch_replay(data, model_folder, dtype, processes=1, sgd=False):
     """replay_full_batch, once per module run and arguments (the DeepSpeed cases share it)."""
     return _full_batch_replay(str(data[0]), str(model_folder), dtype, processes, sgd)
@@ -456,16 +493,20 @@ class SGDInPlaceOfAdamW(torch.optim.SGD):
         super().__init__(params, lr=lr)
 
 
-def sgd_launch(folder, config):
-    """(config, env) for a launch of train.py with SGD in place of AdamW: a sitecustomize.py on the launched
-    processes' PYTHONPATH, and the DeepSpeed config allowing an optimizer ZeRO has not tested (and keeping it
-    under offload)."""
+def sgd_environment(folder):
+    """The environment of a launch of train.py with SGD in place of AdamW: a sitecustomize.py (written in
+    `folder`) on the launched processes' PYTHONPATH."""
     site = folder / "sgd_sitecustomize"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(SGD_SITECUSTOMIZE)
-    python_path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+
+
+def sgd_launch(folder, config):
+    """(config, env) for a DeepSpeed launch of train.py with SGD in place of AdamW: sgd_environment, and the
+    DeepSpeed config allowing an optimizer ZeRO has not tested (and keeping it under offload)."""
     options = {"zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
-    return deepspeed_config_with(folder, config, options), {"PYTHONPATH": python_path}
+    return deepspeed_config_with(folder, config, options), sgd_environment(folder)
 
 
 @pytest.mark.parametrize(
