@@ -1,8 +1,11 @@
 """train.py, launched for real with `accelerate launch` on a tiny BERT built here and a tiny data file.
 
-The launches share module-scoped fixtures: one uninterrupted run per process count is the reference that
-the resumed, unchunked and DeepSpeed runs must reproduce. The validation helpers are also called
-in-process, where a launch would add nothing but start-up time.
+The launches share module-scoped fixtures: one uninterrupted run per process count, which resumed runs
+must reproduce bit for bit. Exactness is judged by tests/references.py's rule against train.py's
+optimization replayed without gradcache nor DeepSpeed (replay_full_batch) in float32 and float64: the plain
+and DeepSpeed runs with SGD in place of AdamW (SGD_LR: AdamW turns rounding noise into full steps), the
+chunked run also under AdamW. The validation helpers are also called in-process, where a launch would add
+nothing but start-up time.
 """
 
 import functools
