@@ -173,7 +173,7 @@ def mapped_fields(source, columns, present, teacher_scores):
     negatives, scores = any(role == "negative" for role, _ in fields), []
     for column, field in zip(SCORE_COLUMNS[:2], SCORE_FIELDS, strict=True) if teacher_scores else ():
         names = named.get(field, field).split("+")
-        scores += [(column, name) for name in names if column[:3] == "pos" or negatives or name in present]
+        scores += [(column, name) for name in names if field == "pos_scores" or negatives or name in present]
     absent = [f"{field!r} ({role})" for role, field in fields + scores if field not in present]
     if absent and present:  # with no field at all, no record could be read: the first is named below
         hint = MAP_SCORES if any(field not in present for _, field in scores) else MAP_YOURS
@@ -243,19 +243,17 @@ def read_records(source, flag):
     kind, where, split = locate_data(source, flag)
     if kind == "beir":
         raise DataError(
-            f"{flag} {source} is a BEIR folder (queries, corpus, qrels): evaluate it with --dev_data."
+            f"{flag} {source} is a BEIR folder (queries, corpus, qrels): evaluate on it with --dev_data."
         )
     if kind == "files":
         return itertools.chain.from_iterable(file_records(path) for path in where)
+    saved = kind == "saved"
     try:
-        if kind == "saved":
-            dataset = datasets.load_from_disk(str(where))
-        else:
-            dataset = datasets.load_dataset(where, split=split)
+        dataset = datasets.load_from_disk(str(where)) if saved else datasets.load_dataset(where, split=split)
         if isinstance(dataset, datasets.DatasetDict):
             dataset = dataset[one_split(dataset, split, source, flag)]
     except Exception as err:
-        what = "a save_to_disk folder" if kind == "saved" else "a hub data set (needs network or a cache)"
+        what = "a save_to_disk folder" if saved else "a hub data set (needs network or a cached copy)"
         raise DataError(f"{flag} {source} could not be read as {what} ({type(err).__name__}: {err})") from err
     return ((f"{source}, record {i}", record) for i, record in enumerate(dataset, 1))
 
@@ -480,7 +478,8 @@ def make_loader(train_sets, order, names=None):
         sampler = NoDuplicatesOrder(train_sets[0], order.batch_size, order.seed, order.group)
     else:
         sampler = SourceMix(train_sets, order, names or [f"source {k}" for k in range(len(train_sets))])
-    # Its own generator: by default each iterator draws a seed from the global RNG (a resume: other masks).
+    # Its own generator: by default every new iterator draws a seed from the global RNG, so a resumed run
+    # (one iterator more) would draw other dropout masks than an uninterrupted one.
     return torch.utils.data.DataLoader(
         sampler.examples, order.batch_size, sampler=sampler, drop_last=True, generator=torch.Generator()
     )
