@@ -95,14 +95,17 @@ import hashlib
 import importlib.metadata
 import json
 import math
+import netrc
 import os
 import re
 import secrets
 import shlex
 import shutil
 import signal
+import socket
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
 
@@ -149,7 +152,7 @@ from sentence_transformers.base.modules import Router
 from sentence_transformers.sentence_transformer.modules import Pooling
 from sentence_transformers.util import load_file_path
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, get_scheduler
+from transformers import PreTrainedModel
 
 import gradcache
 import pairs
@@ -299,6 +302,8 @@ def add_mask_flags(add):
     add("--guide_model", help="a frozen sentence-transformers model (GIST): candidates it scores above its "
         "score of the positive (+ --guide_margin) are masked; default: none")
     add("--guide_margin", type=float, default=0.0, help="added to the guide's positive score, its threshold")
+    add("--warn_masked_fraction", type=float, default=0.2, help="say so when the masks take out more of the "
+        "candidates (a weak guide or a loose margin masks true negatives); 1: never")
 
 
 def add_optimization_flags(add):
@@ -330,8 +335,8 @@ def add_output_flags(add):
     add("--output_dir", help="default: runs/<run_name>")
     add("--overwrite", action="store_true", help="start over in an --output_dir that holds a previous run, "
         "deleting its checkpoints/ and final/")
-    add("--wandb_mode", choices=["online", "offline", "disabled"], default="offline",
-        help="offline: no account")
+    add("--wandb_mode", choices=["online", "online_only", "offline", "disabled"], default="offline",
+        help="offline: no account; online falls back to offline without network or key, online_only stops")
     add("--wandb_project", default="gradcache", help="wandb project; TensorBoard's subfolder too")
 # fmt: on
 
@@ -430,15 +435,20 @@ def check_data_flags(args):
         args.dev_columns = source_settings(args)[0].columns
     for source in source_settings(args):  # each source's flags, checked before anything is loaded
         role_fields(source.columns, available=())
-        if source.in_batch_negatives == "off" and (source.symmetric or source.cross_process_negatives):
+        if source.in_batch_negatives == "off" and source.symmetric:
             parser.error(
                 "--in_batch_negatives off scores each anchor against its own group only: --symmetric "
-                "(positives against the batch's anchors) and --cross_process_negatives (other processes' "
-                "candidates) need in-batch negatives. Drop them, or keep in-batch negatives."
+                "(positives against the batch's anchors) needs in-batch negatives. Drop it, or keep in-batch "
+                "negatives."
             )
         if not source.distill_weight >= 0:
             parser.error(f"--distill_weight must be 0 (off) or more, got {source.distill_weight}.")
     role_fields(args.dev_columns, available=())
+    if args.cross_process_negatives and all(s.in_batch_negatives == "off" for s in source_settings(args)):
+        parser.error(
+            "--cross_process_negatives contrasts with other processes' candidates, but no --data source has "
+            "in-batch negatives (--in_batch_negatives off): drop one of them."
+        )
 
 
 def check_loss_flags(args):
@@ -465,7 +475,12 @@ def source_settings(args):
     def value(name, k):
         return getattr(args, name)[k] if isinstance(getattr(args, name), list) else getattr(args, name)
 
-    return [argparse.Namespace(**vars(args) | {n: value(n, k) for n in PER_SOURCE}) for k in range(sources)]
+    settings = [
+        argparse.Namespace(**vars(args) | {n: value(n, k) for n in PER_SOURCE}) for k in range(sources)
+    ]
+    for source in settings:  # a source without in-batch negatives has no other rows to contrast with
+        source.cross_process_negatives &= source.in_batch_negatives == "on"
+    return settings
 
 
 def data_name(source):
@@ -543,7 +558,7 @@ def main(args):
     if evaluator and progress.global_step == 0:
         first_eval = last_eval = evaluate(evaluator, model, accelerator, global_step=0)
     engine.train()
-    window = LogWindow()
+    window, masks_warned = LogWindow(), False
     chunking = {"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {"chunk_size": args.chunk_size}
     bar = tqdm(total=total_steps, initial=progress.global_step, disable=not accelerator.is_main_process)
     with bar:  # a context: an error's line (printed at the end of the file) comes after the bar
@@ -566,8 +581,8 @@ def main(args):
             progress.global_step, window.steps = progress.global_step + 1, window.steps + 1
             last = progress.global_step == total_steps
             bar.update()
-            speed = f"{window.examples_per_second(derived['effective_batch_size']):.1f}"
-            bar.set_postfix(loss=f"{report.loss.item():.4f}", examples_per_s=speed)
+            bar.set_postfix(progress_line(report, window, derived, stats))
+            masks_warned = masks_warned or warn_if_masking_much(accelerator, args, stats, progress)
             if due(args.log_steps, progress, last):
                 from_source = {"source": source} if len(sources) > 1 else {}  # the --data source of this step
                 log_training(
@@ -581,8 +596,9 @@ def main(args):
             # No checkpoint inside a streak of non-finite steps: `latest` would resume into the streak.
             if (due(args.save_steps, progress, last) or preempted) and not streak.in_a_row:
                 state = checkpoint_state(progress, derived, args, wandb_run_id)
-                streak.last_checkpoint = save_checkpoint(
-                    accelerator, checkpoints_dir, state, args.save_total_limit
+                check_weights_finite(accelerator, model, streak, progress)
+                streak.checkpointed(
+                    save_checkpoint(accelerator, checkpoints_dir, state, args.save_total_limit)
                 )
             if preempted:
                 stop_preempted(accelerator, args, signals, streak.last_checkpoint, saved=not streak.in_a_row)
@@ -636,6 +652,15 @@ def make_accelerator(args):
             f"launched as {world_size} processes, but accelerate runs them undistributed: each would train "
             "alone and write final/. Without a GPU, launch with ACCELERATE_USE_CPU=true (see the comment in "
             "accelerate_configs/cpu_ddp_2proc.yaml)."
+        )
+    # On CPUs accelerate turns an FSDP config into MULTI_CPU, leaving its variable set.
+    if (
+        accelerator.distributed_type == DistributedType.FSDP
+        or os.environ.get("ACCELERATE_USE_FSDP") == "true"
+    ):
+        fail(
+            "an FSDP accelerate config: FSDP is not supported (untested with Gradient Cache's passes). Shard "
+            "with DeepSpeed ZeRO-3 instead: accelerate_configs/deepspeed_zero3.yaml."
         )
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         # Before 1.8 accelerate's DeepSpeedEngineWrapper.backward stepped the engine at every backward.
@@ -1000,9 +1025,25 @@ def prepare_training(args, accelerator, model, train_sets, skipped_records):
     # otherwise; this one steps once per optimizer step everywhere, writing the AdamW param groups that
     # DeepSpeed's ZeRO optimizers step in place.
     total_steps = derived["total_steps"]
-    scheduler = get_scheduler(args.lr_schedule, adamw, round(args.warmup_ratio * total_steps), total_steps)
+    scheduler = learning_rate_schedule(
+        adamw, args.lr_schedule, round(args.warmup_ratio * total_steps), total_steps
+    )
     accelerator.register_for_checkpointing(scheduler)
     return engine, optimizer, loader, scheduler, derived
+
+
+def learning_rate_schedule(optimizer, schedule, warmup, total_steps):
+    """The rate of each optimizer step: up to --lr over the warmup steps, the first already training at
+    --lr / warmup (transformers' schedules give it 0: a wasted step), then linear or cosine decay to 0 after
+    the last step."""
+
+    def factor(steps_done):
+        if steps_done < warmup:
+            return (steps_done + 1) / warmup
+        decayed = (steps_done - warmup) / max(1, total_steps - warmup)
+        return max(0.0, 1 - decayed if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * decayed)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def training_module(model, sources):
@@ -1108,6 +1149,17 @@ def start_tracking(accelerator, args, settings, resumed_state):
 
     A resumed run continues the wandb run of its checkpoint and may log again steps the interrupted run
     logged after its checkpoint: TensorBoard's purge_step drops what earlier event files hold from there."""
+    asked, (args.wandb_mode, why) = (
+        args.wandb_mode,
+        broadcast_object_list([wandb_mode(args) if accelerator.is_main_process else None])[0],
+    )
+    if why and asked == "online_only":  # before anything is written
+        fail(
+            f"--wandb_mode online_only: {why}. Log offline (--wandb_mode offline), or fix the network or key."
+        )
+    if why:
+        sync = f"wandb sync {Path(args.output_dir) / 'wandb'}/offline-run-*"
+        accelerator.print(f"train.py: --wandb_mode online: {why}: logging offline; upload later with {sync}")
     config = {
         k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in (vars(args) | settings).items()
     }
@@ -1123,6 +1175,25 @@ def start_tracking(accelerator, args, settings, resumed_state):
         run.define_metric("*", step_metric="train/global_step")  # wandb drops a step below its own counter
         run_id = run.id
     return broadcast_object_list([run_id])[0]  # every machine's copy of a checkpoint names it
+
+
+def wandb_mode(args):
+    """(--wandb_mode as the run can use it, why not as asked): online only where wandb's server answers
+    within 3 s and a key is there (else wandb retries for minutes, then ends in a traceback)."""
+    if args.wandb_mode not in ("online", "online_only"):
+        return args.wandb_mode, ""
+    server = urllib.parse.urlsplit(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    try:
+        socket.create_connection((server.hostname, server.port or 443), timeout=3).close()
+    except OSError as err:
+        return "offline", f"{server.hostname} out of reach ({err})"
+    try:
+        keyed = "WANDB_API_KEY" in os.environ or netrc.netrc(os.environ.get("NETRC")).authenticators(
+            server.hostname
+        )
+    except (OSError, netrc.NetrcParseError):
+        keyed = False
+    return ("online", "") if keyed else ("offline", "no key (WANDB_API_KEY, or wandb login)")
 
 
 @dataclasses.dataclass
@@ -1377,11 +1448,13 @@ class Streak:
     last_checkpoint: Path | None = None
     window: bool = False
     in_a_row: int = 0
+    resumed_into_it: bool = False  # no good step yet since resuming from last_checkpoint
 
     @classmethod
     def of(cls, accelerator, engine, last_checkpoint=None):
         deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-        return cls(loss_scale(accelerator, engine) is not None, deepspeed, last_checkpoint)
+        fp16 = loss_scale(accelerator, engine) is not None
+        return cls(fp16, deepspeed, last_checkpoint, resumed_into_it=last_checkpoint is not None)
 
     def add_batch(self, report, source, progress):
         """One batch's report; a skipped one (a loss not finite: gradcache back-propagated nothing, anywhere)
@@ -1400,19 +1473,35 @@ class Streak:
     def end_step(self, progress, max_bad_steps):
         """The optimizer step is over: --max_bad_steps bad ones in a row stop the run."""
         self.in_a_row = self.in_a_row + 1 if self.window else 0
+        self.resumed_into_it &= self.window
         if self.in_a_row >= max_bad_steps:  # no checkpoint was saved since the streak began
             fail(
                 f"{self.in_a_row} steps in a row (through step {progress.global_step + 1}) had a loss "
-                "or gradient that is not finite; none of them changed the weights. "
-                + (
-                    f"The last checkpoint before them is {self.last_checkpoint}: resume from it "
-                    f"(--resume_from_checkpoint {self.last_checkpoint}) with a lower --lr"
-                    if self.last_checkpoint
-                    else "No checkpoint was saved before them: start again with a lower --lr"
-                )
-                + ", or check the data of these steps."
+                f"or gradient that is not finite; none of them changed the weights. {self.where_to_resume()}"
+                ", or check the data of these steps."
             )
         self.window = False
+
+    def checkpointed(self, checkpoint):
+        self.last_checkpoint, self.resumed_into_it = checkpoint, False
+
+    def where_to_resume(self):
+        """The checkpoint to resume from, with a lower --lr. When the streak began at the resumed checkpoint,
+        that one is the cause (a destructive but finite step before it): the one before it, then."""
+        if not self.last_checkpoint:
+            return "No checkpoint was saved before them: start again with a lower --lr"
+        if not self.resumed_into_it:
+            return (
+                f"The last checkpoint before them is {self.last_checkpoint}: resume from it "
+                f"(--resume_from_checkpoint {self.last_checkpoint}) with a lower --lr"
+            )
+        saved = complete_checkpoints(self.last_checkpoint.parent)
+        earlier = saved[: saved.index(self.last_checkpoint)] if self.last_checkpoint in saved else []
+        before = f"{earlier[-1]} (--resume_from_checkpoint {earlier[-1]})" if earlier else "none is left"
+        return (
+            f"They began right where this run resumed at {self.last_checkpoint}: its weights are the cause "
+            f"(a destructive step before it). Resume from the one before it, {before}, with a lower --lr"
+        )
 
 
 def optimizer_step(accelerator, engine, optimizer, scheduler, args, progress, streak):
@@ -1550,6 +1639,32 @@ def log_training(accelerator, engine, progress, window, derived, batches_per_epo
     accelerator.log(metrics, step=progress.global_step)
 
 
+def progress_line(report, window, derived, stats):
+    """The progress bar's numbers: the loss, the speed, and the share of candidates the masks took out."""
+    line = {"loss": f"{report.loss.item():.4f}"}
+    line["examples_per_s"] = f"{window.examples_per_second(derived['effective_batch_size']):.1f}"
+    if "masked_fraction" in stats:
+        line["masked"] = f"{stats['masked_fraction']:.0%}"
+    return line
+
+
+def warn_if_masking_much(accelerator, args, stats, progress):
+    """One line, once, when the false-negative masks take out more than --warn_masked_fraction of the
+    candidates: the loss then learns from few negatives. Whether it warned."""
+    masked = stats.get("masked_fraction", 0.0)
+    if masked <= args.warn_masked_fraction:
+        return False
+    masks = [
+        f"--{name} {getattr(args, name)}" for name in ("guide_model", "guide_margin", "false_negative_margin")
+    ]
+    accelerator.print(
+        f"train.py: warning: step {progress.global_step}: the false-negative masks took out {masked:.0%} of "
+        f"the candidates (more than --warn_masked_fraction {args.warn_masked_fraction}; {', '.join(masks)}): "
+        "true negatives go too. Raise --guide_margin, --false_negative_margin, or use a stronger guide."
+    )
+    return True
+
+
 def stop_agreed(accelerator, signals):
     """Whether any process received a signal: one all-reduce, so that all save and stop at the same step."""
     flag = torch.tensor(float(bool(signals)), device=accelerator.device)
@@ -1652,6 +1767,16 @@ def checkpoint_state(progress, derived, args, wandb_run_id):
         "args": vars(args),
         "wandb_run_id": wandb_run_id,  # a run resumed from this checkpoint continues it
     }
+
+
+def check_weights_finite(accelerator, model, streak, progress):
+    """Stop before a checkpoint of weights that are not finite (a step that overflowed them): `latest` would
+    resume into it. Each process checks its own (under ZeRO-3 its partition), one all-reduce."""
+    finite = [torch.isfinite(getattr(p, "ds_tensor", p)).all() for p in model.parameters()]
+    bad = (~torch.stack(finite).all()).float().to(accelerator.device)
+    if accelerator.reduce(bad, "max").item():
+        where = streak.where_to_resume()
+        fail(f"after step {progress.global_step} the weights are no longer finite: not saved. {where}.")
 
 
 def save_checkpoint(accelerator, checkpoints_dir, trainer_state, total_limit):

@@ -51,7 +51,7 @@ def run_with_faults(output_dir, *args, faults=None):
                 patch.setenv(name, value)
             spec = importlib.util.spec_from_file_location("faults_in_process", FAULTS / "sitecustomize.py")
             spec.loader.exec_module(importlib.util.module_from_spec(spec))
-        run_main(patch, "--output_dir", output_dir, *RUN, *args)
+        run_main(patch, *(("--output_dir", output_dir) if output_dir else ()), *RUN, *args)  # None: default
 
 
 def checkpoint_weights(checkpoint):

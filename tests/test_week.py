@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 from test_reliability import run_with_faults
-from test_train import run_main, weights
+from test_sources import two_source_flags
+from test_train import logged_scalars, run_main, weights
 
 import train
 
@@ -115,3 +116,138 @@ def test_a_second_job_on_a_folder_in_use_stops_naming_the_first(
         holder.kill()
     assert f"is in use by a running job (process {holder.pid} on" in str(exited.value.code)
     assert sorted(p.name for p in folder.iterdir()) == [".lock"]
+
+
+def test_the_first_warmup_step_trains(tmp_path, monkeypatch, data, model_without_dropout):
+    """With warmup the first step trains at --lr / warmup steps (transformers' schedules gave it 0: a step
+    spent for nothing), the peak is reached at the last warmup step, then the decay; every logged rate is the
+    schedule's, computed here from its definition."""
+    steps, warmup, lr = 10, 3, 1e-3  # warmup: round(0.3 x 10)
+    flags = ("--model", model_without_dropout, "--data", data[0], *RUN, "--max_steps", steps, "--lr", lr)
+    run_main(monkeypatch, *flags, "--warmup_ratio", 0.3, "--output_dir", tmp_path, "--save_steps", 0)
+    rates = [rate for _, rate in logged_scalars(tmp_path)["train/learning_rate"]]
+    linear = [
+        lr * (k + 1) / warmup if k < warmup else lr * (steps - k) / (steps - warmup) for k in range(steps)
+    ]
+    assert rates == pytest.approx(linear) and min(rates) > 0
+
+
+def test_masks_that_take_out_most_candidates_are_shown_and_warned_once(
+    tmp_path, monkeypatch, capsys, data, model_without_dropout
+):
+    """A loose margin (every candidate scoring above the positive's score - 1, in cosine) masks most
+    negatives: one warning line, naming the share as train/masked_fraction logs it and the flags to change;
+    the progress bar shows the share at every step. The default margin (none) masks no more than the
+    repeated texts and says nothing."""
+    flags = ("--model", model_without_dropout, "--data", data[0], *RUN, "--save_steps", 0)
+    run_main(monkeypatch, *flags, "--false_negative_margin", -1, "--output_dir", tmp_path / "loose")
+    out, err = capsys.readouterr()
+    warnings = [line for line in out.splitlines() if "the false-negative masks took out" in line]
+    assert len(warnings) == 1 and "--false_negative_margin -1" in warnings[0], out
+    step, share = (
+        int(warnings[0].split("step ")[1].split(":")[0]),
+        warnings[0].split("took out ")[1].split("%")[0],
+    )
+    logged = dict(logged_scalars(tmp_path / "loose")["train/masked_fraction"])
+    assert logged[step] > 0.2 and share == f"{logged[step]:.0%}".rstrip("%")
+    assert "masked=" in err  # the bar
+    run_main(monkeypatch, *flags, "--output_dir", tmp_path / "default")
+    assert "the false-negative masks took out" not in capsys.readouterr().out
+
+
+def test_weights_that_are_not_finite_are_never_saved(tmp_path, monkeypatch, data, model_without_dropout):
+    """A step that leaves the weights infinite (stood in for by an optimizer step writing inf into one
+    weight at step 3): the checkpoint of step 3 is not written, and the stop names step_2 to resume from."""
+    real_step = torch.optim.AdamW.step
+    taken = []
+
+    def overflowing_step(self, *args, **kwargs):
+        result = real_step(self, *args, **kwargs)
+        taken.append(1)
+        if len(taken) == 3:
+            self.param_groups[0]["params"][0].data.fill_(float("inf"))
+        return result
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", overflowing_step)
+    flags = ("--model", model_without_dropout, "--data", data[0], *RUN, "--save_steps", 1)
+    with pytest.raises(SystemExit) as stopped:
+        run_main(monkeypatch, *flags, "--output_dir", tmp_path)
+    checkpoints = tmp_path / "checkpoints"
+    assert "after step 3 the weights are no longer finite: not saved." in stopped.value.code
+    assert f"--resume_from_checkpoint {checkpoints / 'step_2'}" in stopped.value.code
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_1", "step_2"]
+
+
+def test_a_checkpoint_that_is_bad_itself_is_named_so_with_the_one_before_it(
+    tmp_path, monkeypatch, data, model_without_dropout
+):
+    """Weights that are finite but give a non-finite loss (a destructive step just before a checkpoint,
+    stood in for by scaling step_3's weights to 1e30): resumed from step_3, the run stops after
+    --max_bad_steps saying that step_3 itself is the cause and naming step_2, instead of step_3 again (which
+    a lower --lr cannot fix: the advice looped)."""
+    from safetensors.torch import load_file, save_file
+
+    flags = (
+        "--model",
+        model_without_dropout,
+        "--data",
+        data[0],
+        *RUN,
+        "--save_steps",
+        1,
+        "--max_bad_steps",
+        1,
+    )
+    run_main(monkeypatch, *flags, "--output_dir", tmp_path)
+    checkpoints = tmp_path / "checkpoints"
+    saved = checkpoints / "step_3" / "model.safetensors"
+    save_file({name: value * 1e30 for name, value in load_file(saved).items()}, saved)
+    with pytest.raises(SystemExit) as stopped:
+        run_main(
+            monkeypatch, *flags, "--output_dir", tmp_path, "--resume_from_checkpoint", checkpoints / "step_3"
+        )
+    assert f"They began right where this run resumed at {checkpoints / 'step_3'}" in stopped.value.code
+    assert f"Resume from the one before it, {checkpoints / 'step_2'}" in stopped.value.code
+
+
+@pytest.mark.parametrize("mode", ["online", "online_only"])
+def test_wandb_online_without_network_or_key_logs_offline_or_stops_at_once(
+    mode, tmp_path, monkeypatch, capsys, data, model_without_dropout
+):
+    """Without network (this machine) or without a key, online used to retry for 112 s and end in a
+    100-line traceback: now online logs offline, saying so and how to upload, and online_only stops in one
+    line before anything is written (no empty tensorboard/)."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    flags = ("--model", model_without_dropout, "--data", data[0], *RUN, "--save_steps", 0, "--max_steps", 1)
+    started = time.monotonic()
+    if mode == "online_only":
+        with pytest.raises(SystemExit) as stopped:
+            run_main(monkeypatch, *flags, "--wandb_mode", mode, "--output_dir", tmp_path / "run")
+        assert stopped.value.code.startswith("train.py: error: --wandb_mode online_only: ")
+        assert not (tmp_path / "run" / "tensorboard").exists() and not (tmp_path / "run" / "wandb").exists()
+    else:
+        run_main(monkeypatch, *flags, "--wandb_mode", mode, "--output_dir", tmp_path / "run")
+        assert "--wandb_mode online: " in capsys.readouterr().out
+        assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert time.monotonic() - started < 60
+
+
+def test_an_fsdp_config_is_refused_naming_zero3(tmp_path, monkeypatch, data, model_without_dropout):
+    """accelerate launch with an FSDP config sets ACCELERATE_USE_FSDP (on CPUs the distributed type stays
+    MULTI_CPU): refused in one line, as untested with Gradient Cache, pointing to ZeRO-3."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(SystemExit) as stopped:
+        run_main(monkeypatch, "--model", model_without_dropout, "--data", data[0], "--output_dir", tmp_path)
+    assert "FSDP is not supported" in stopped.value.code and "deepspeed_zero3.yaml" in stopped.value.code
+
+
+def test_cross_process_negatives_apply_to_the_sources_with_in_batch_negatives(sources, model_without_dropout):
+    """A source without in-batch negatives has no other rows to contrast with: it trains on its own groups
+    while the others contrast across processes (the whole run was refused); with no such source at all,
+    --cross_process_negatives is refused in one line."""
+    two = two_source_flags(model_without_dropout, sources, "--cross_process_negatives")
+    args = train.parse_args([*map(str, two), "--in_batch_negatives", "on", "off"])
+    assert [s.cross_process_negatives for s in train.source_settings(args)] == [True, False]
+    with pytest.raises(SystemExit, match="no --data source has in-batch negatives"):
+        train.parse_args([*map(str, two), "--in_batch_negatives", "off"])
