@@ -50,7 +50,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["gradcache_step", "group_step", "StepReport", "ChunkOutOfMemory", "refinements", "any_process"]
+__all__ = ["gradcache_step", "group_step", "StepReport", "ChunkOutOfMemory", "StepInterrupted", "refinements"]
+__all__ += ["any_process"]
 __all__ += ["contrastive_loss", "group_loss", "FalseNegatives", "accelerate_sync_context"]
 __all__ += ["tokenize_per_chunk", "select_examples", "plan_chunks", "plan_step", "GROUP_FORWARDS"]
 # Parts that train.py, tests/ and bench/ call or replace on their own.
@@ -72,23 +73,15 @@ class StepReport:
 
 
 def gradcache_step(
-    encoders,
-    columns: Sequence,
-    loss_fn: Callable | None = None,
-    chunk_size: int | Sequence[int] | None = None,
-    *,
-    chunk_tokens: int | Sequence[int] | None = None,
-    lengths: Sequence | None = None,
-    backward: Callable = torch.Tensor.backward,
-    sync_context: Callable = lambda is_last: contextlib.nullcontext(),
-    get_rep: Callable | None = None,
-    select: Callable | Sequence[Callable] | None = None,
-    cross_process_negatives: bool = False,
-    allow_batch_mixing: bool = False,
-    agree_on_out_of_memory: bool = True,
-    encode_group: Callable | None = None,
-    graph_budget: float | None = None,
-) -> StepReport:
+    encoders, columns: Sequence, loss_fn: Callable | None = None,
+    chunk_size: int | Sequence[int] | None = None, *, chunk_tokens: int | Sequence[int] | None = None,
+    lengths: Sequence | None = None, backward: Callable = torch.Tensor.backward,
+    sync_context: Callable = lambda is_last: contextlib.nullcontext(), get_rep: Callable | None = None,
+    select: Callable | Sequence[Callable] | None = None, cross_process_negatives: bool = False,
+    allow_batch_mixing: bool = False, agree_on_out_of_memory: bool = True,
+    encode_group: Callable | None = None, graph_budget: float | None = None,
+    interrupt: Callable | None = None,
+) -> StepReport:  # fmt: skip
     """Accumulate into `.grad` the exact full-batch gradient of `loss_fn` over `columns`.
     encoders:     one callable shared by all columns, or one per column (towers), called on a chunk's input.
     encode_group: instead (encoders None), `encode_group(inputs, columns)` encodes a group's chunk inputs
@@ -107,7 +100,9 @@ def gradcache_step(
     agree_on_out_of_memory: all processes raise `ChunkOutOfMemory` together. False where every pass is a
                   collective (DeepSpeed ZeRO-2/3): the process that ran out raises at once, unagreed.
     graph_budget: bytes of stage-1 graphs to keep (`keep_graphs`): the last groups that fit keep theirs and
-                  are not re-encoded (math.inf: every group; 0: none). None: the last group only."""
+                  are not re-encoded (math.inf: every group; 0: none). None: the last group only.
+    interrupt:    interrupt() -> True abandons the step (`StepInterrupted`, gradients partial); called before
+                  each group's forward on every process alike, so it may agree across processes (a signal)."""
     columns, loss_fn = list(columns), loss_fn or contrastive_loss
     chunking = chunk_limits(chunk_size, chunk_tokens, len(columns))
     lengths, encode, together = prepare_step(
@@ -116,7 +111,7 @@ def gradcache_step(
     check_loss_takes_local_rows(loss_fn, cross_process_negatives)
     groups = plan_step(columns, *chunking, lengths, together)
     out_of_memory = OutOfMemory(agree_on_out_of_memory, *chunking)
-    encoded = EncodingPass(encode, columns, groups)
+    encoded = EncodingPass(encode, columns, groups, out_of_memory, interrupt)
     # The kept groups' graphs live from stage 1 to stage 3, and their sync context stays open as long.
     with contextlib.ExitStack() as kept_sync:
         sizes = None if graph_budget is None else group_sizes(groups, columns, lengths)
@@ -132,26 +127,18 @@ def gradcache_step(
                 backpropagate_cache(sum(encoded.kept, []), encoded.kept_reps, rep_grads, backward)
             encoded.kept_reps = None
     reencode = functools.partial(reencode_and_backpropagate, encoded.rng_states, encode, rep_grads, backward)
-    backpropagate_in_turn(reencoded, reencode, sync_context, out_of_memory)
+    backpropagate_in_turn(reencoded, reencode, sync_context, out_of_memory, interrupt)
     return report
 
 
 def group_step(
-    encoders,
-    columns: Sequence,
-    loss_fn: Callable,
-    chunk_size: int | None = None,
-    *,
-    chunk_tokens: int | None = None,
-    lengths: Sequence | None = None,
+    encoders, columns: Sequence, loss_fn: Callable, chunk_size: int | None = None, *,
+    chunk_tokens: int | None = None, lengths: Sequence | None = None,
     backward: Callable = torch.Tensor.backward,
-    sync_context: Callable = lambda is_last: contextlib.nullcontext(),
-    get_rep: Callable | None = None,
-    select: Callable | Sequence[Callable] | None = None,
-    encode_group: Callable | None = None,
-    allow_batch_mixing: bool = False,
-    agree_on_out_of_memory: bool = True,
-) -> StepReport:
+    sync_context: Callable = lambda is_last: contextlib.nullcontext(), get_rep: Callable | None = None,
+    select: Callable | Sequence[Callable] | None = None, encode_group: Callable | None = None,
+    allow_batch_mixing: bool = False, agree_on_out_of_memory: bool = True, interrupt: Callable | None = None,
+) -> StepReport:  # fmt: skip
     """Accumulate into `.grad` the exact gradient of a loss where each anchor sees only its own group.
 
     Without in-batch negatives (FlagEmbedding's no_in_batch_neg, NeMo) the loss is a sum of per-row terms,
@@ -172,7 +159,8 @@ def group_step(
     counted = [example_lengths(column, n) for column, n in zip(columns, lengths, strict=True)]
     plan = plan_step([torch.arange(batch_size)], limits, by_tokens, [row_lengths(counted)], False)
     passes = RowChunks(encode, loss_fn, counted, batch_size, backward)
-    backpropagate_in_turn(plan, passes, sync_context, OutOfMemory(agree_on_out_of_memory, limits, by_tokens))
+    out_of_memory = OutOfMemory(agree_on_out_of_memory, limits, by_tokens)
+    backpropagate_in_turn(plan, passes, sync_context, out_of_memory, interrupt)
     # No representation gradients are cached: their norm is nan.
     return StepReport(passes.total, passes.forwards, 0, float("nan"), passes.skipped)
 
@@ -215,10 +203,12 @@ def group_encoder(columns, encoders, encode_group, select, get_rep):
     return encode
 
 
-def backpropagate_in_turn(groups, backpropagate_group, sync_context, out_of_memory):
+def backpropagate_in_turn(groups, backpropagate_group, sync_context, out_of_memory, interrupt=None):
     """Stage 3's loop, and group_step's: `backpropagate_group(g, group, is_last)` in each group's sync context
     until it returns True; any out-of-memory agreed before the last, synchronizing backward."""
     for g, group in enumerate(groups):
+        out_of_memory.raise_if_alone()  # before the interrupt's all-reduce, which the others may not reach
+        stop_if_asked(interrupt)
         is_last = g == len(groups) - 1
         if is_last:
             out_of_memory.agree()
@@ -235,16 +225,25 @@ class EncodingPass:
     """Stage 1's results: the cache (one fp32 buffer per column, in batch order: chunk tensors would fragment
     the heap), each group's RNG state, the representations of the groups that keep a graph."""
 
-    def __init__(self, encode, columns, groups):
+    def __init__(self, encode, columns, groups, out_of_memory, interrupt):
         self.encode, self.columns, self.groups = encode, columns, groups
+        self.out_of_memory, self.interrupt = out_of_memory, interrupt
         self.cache, self.rng_states, self.kept, self.kept_reps = [None] * len(columns), [], [], []
         self.saved_bytes = self.kept_bytes = 0
 
     def __call__(self, g, keep, measure=False):
-        """Encodes group g, with grad where it keeps its graph; `measure`: its graph's saved bytes."""
+        """Encodes group g, with grad where it keeps its graph; `measure`: its graph's saved bytes. After an
+        out-of-memory nothing, to the agreement (the interrupt still asked: the same calls everywhere)."""
+        self.out_of_memory.raise_if_alone()  # before the interrupt's all-reduce: the others may not reach it
+        stop_if_asked(self.interrupt)
+        if self.out_of_memory.ran_out:
+            return
         self.rng_states.append(RngState.capture())
-        with torch.set_grad_enabled(keep), saved_storages() if measure else contextlib.nullcontext() as saved:
+        measuring = saved_storages() if measure else contextlib.nullcontext()
+        with self.out_of_memory.watch(), torch.set_grad_enabled(keep), measuring as saved:
             reps = self.encode(self.groups[g])
+        if self.out_of_memory.ran_out:
+            return
         if measure:
             self.saved_bytes = sum(storage.nbytes() for storage in saved.values())
         for (c, index, padding), rep in zip(self.groups[g], reps, strict=True):
@@ -265,17 +264,15 @@ def keep_graphs(encoded, budget, sizes, sync_context, kept_sync, out_of_memory):
     there: any later backward runs it); all kept: the last forward and that backward synchronize."""
     last = len(encoded.groups) - 1
     if budget is None or last == 0 or not REFINEMENTS.reuse_last_chunk:
-        with out_of_memory.watch():
-            for g in range(last + 1):
-                keep = REFINEMENTS.reuse_last_chunk and g == last
-                if keep:
-                    kept_sync.enter_context(sync_context(last == 0))
-                encoded(g, keep)
+        for g in range(last + 1):
+            keep = REFINEMENTS.reuse_last_chunk and g == last
+            if keep and not out_of_memory.ran_out:
+                kept_sync.enter_context(sync_context(last == 0))
+            encoded(g, keep)
         return
     no_sync = kept_sync.enter_context(contextlib.ExitStack())
     no_sync.enter_context(sync_context(False))
-    with out_of_memory.watch():
-        encoded(0, keep=budget > 0, measure=True)
+    encoded(0, keep=budget > 0, measure=True)
     per_size = encoded.saved_bytes / max(sizes[0], 1)
     totals = itertools.accumulate(per_size * size for size in reversed(sizes))  # the last groups' bytes
     fits = sum(1 for _ in itertools.takewhile(lambda total: total <= budget, totals)) if budget > 0 else 0
@@ -283,12 +280,11 @@ def keep_graphs(encoded, budget, sizes, sync_context, kept_sync, out_of_memory):
     encoded.kept_bytes = per_size * sum(sizes[len(sizes) - kept :])
     if kept <= last:
         encoded.kept, encoded.kept_reps = [], []  # the first group is re-encoded: its graph goes
-    with out_of_memory.watch():
-        for g in range(1, last + 1):
-            if g == last and kept > last:
-                no_sync.close()
-                kept_sync.enter_context(sync_context(True))
-            encoded(g, keep=g > last - kept)
+    for g in range(1, last + 1):
+        if g == last and kept > last:
+            no_sync.close()
+            kept_sync.enter_context(sync_context(True))
+        encoded(g, keep=g > last - kept)
 
 
 def group_sizes(groups, columns, lengths):
@@ -684,6 +680,15 @@ class ChunkOutOfMemory(RuntimeError):
         self.agreed = agreed
 
 
+class StepInterrupted(Exception):
+    """`interrupt()` said stop, before a group's forward, on every process at the same group."""
+
+
+def stop_if_asked(interrupt):
+    if interrupt is not None and interrupt():
+        raise StepInterrupted
+
+
 class OutOfMemory:
     """One step's out-of-memory protocol: all processes raise `ChunkOutOfMemory` together, none is left in a
     collective the others will not reach. `watch()` notes an out-of-memory; the step goes on, computing
@@ -702,10 +707,13 @@ class OutOfMemory:
         except torch.OutOfMemoryError:
             self.ran_out, self.alone = True, collective or not self.agree_with_others
 
-    def agree(self, collectively=True, also=()):
-        """Returns `also`, numbers that ride the same all-reduce, each its largest on any process."""
+    def raise_if_alone(self):
         if self.alone:
             raise self.error(agreed=False)
+
+    def agree(self, collectively=True, also=()):
+        """Returns `also`, numbers that ride the same all-reduce, each its largest on any process."""
+        self.raise_if_alone()
         if collectively and (self.agree_with_others or also):
             ran_out, *also = largest_on_any_process([int(self.ran_out), *also])
             self.ran_out = bool(ran_out)
@@ -810,22 +818,13 @@ def accelerate_sync_context(accelerator, *models):
 
 # ===== Part II. The loss of stage 2: any loss(*reps) -> scalar works; reps come in column order =====
 def contrastive_loss(
-    anchor,
-    positive,
-    *negatives,
-    scale: float = 20.0,
-    similarity: str = "cos",
-    symmetric: bool = False,
-    tile_size: int | None = None,
-    matryoshka_dims: Sequence[int] | None = None,
-    matryoshka_weights: Sequence[float] | None = None,
-    local_rows: slice | None = None,
-    false_negatives: "FalseNegatives | None" = None,
-    stats: dict | None = None,
-    teacher_scores: torch.Tensor | Sequence | None = None,
-    distill_weight: float = 1.0,
+    anchor, positive, *negatives, scale: float = 20.0, similarity: str = "cos", symmetric: bool = False,
+    tile_size: int | None = None, matryoshka_dims: Sequence[int] | None = None,
+    matryoshka_weights: Sequence[float] | None = None, local_rows: slice | None = None,
+    false_negatives: "FalseNegatives | None" = None, stats: dict | None = None,
+    teacher_scores: torch.Tensor | Sequence | None = None, distill_weight: float = 1.0,
     distill_temperature: float = 1.0,
-):
+):  # fmt: skip
     """In-batch-negatives InfoNCE (MultipleNegativesRankingLoss), computed tile by tile.
 
     With B anchors a_i, N = B(1 + k) candidates c_j (the positives, then k hard-negative columns), the

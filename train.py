@@ -63,11 +63,15 @@ Feature map: flag -> the function where it acts -> the test that guards it (test
   --false_negative_margin(_strategy) -> false_negatives -> test_large_batch::test_false_negative_flags
   --guide_model, --guide_margin -> load_guide, guide_representations
       -> test_large_batch::test_a_run_with_every_large_batch_flag_trains_and_logs_the_masked_fraction
-  --lr, --lr_schedule, --warmup_ratio, --weight_decay -> prepare_training, resume_training
+  --warn_masked_fraction -> warn_if_masking_much, progress_line
+      -> test_week::test_masks_that_take_out_most_candidates_are_shown_and_warned_once
+  --lr, --lr_schedule, --warmup_ratio, --weight_decay -> learning_rate_schedule, resume_training
       -> test_train::test_resume_with_another_learning_rate_follows_the_new_schedule
+      -> test_week::test_the_first_warmup_step_trains
   --max_grad_norm -> optimizer_step -> test_train::test_max_grad_norm_0_trains_unclipped_and_logs_the_norm
-  --max_bad_steps, fp16 overflows -> optimizer_step, Streak
+  --max_bad_steps, fp16 overflows -> optimizer_step, Streak, check_weights_finite
       -> test_reliability::test_steps_non_finite_in_a_row_stop_the_run_naming_the_last_checkpoint_before_them
+      -> test_week::test_a_checkpoint_that_is_bad_itself_is_named_so_with_the_one_before_it
       -> test_reliability::test_fp16_overflows_are_skipped_by_the_scaler_and_training_goes_on
   --epochs, --max_steps, --seed, --log_steps, --eval_steps -> derive_numbers, batches_from, log_training,
       evaluate -> test_train::test_end_to_end_run_logs_saves_and_resumes_exactly
@@ -75,14 +79,18 @@ Feature map: flag -> the function where it acts -> the test that guards it (test
       resume_training -> test_reliability::test_killed_at_a_checkpoint_the_run_resumes_bit_for_bit
   --save_on_each_node -> save_checkpoint
       -> test_reliability::test_checkpoints_on_two_machines_are_completed_once_on_each_file_system
-  --run_name, --output_dir, --overwrite -> claim_output_dir
+  --run_name, --output_dir, --overwrite -> claim_output_dir, new_run_folder, lock_run_folder
       -> test_train::test_a_second_run_into_the_same_folder_is_refused_unless_overwrite
-  --wandb_mode, --wandb_project -> start_tracking
-      -> test_train::test_end_to_end_run_logs_saves_and_resumes_exactly
-  SIGTERM, Ctrl-C -> stop_on_signals, stop_agreed, stop_preempted
+      -> test_week::test_jobs_started_in_the_same_second_get_their_own_folders
+  --resume_from_checkpoint latest, no --output_dir -> newest_run_like, resume_command
+      -> test_week::test_a_requeue_of_the_same_command_continues_the_newest_run_of_its_flags
+  --wandb_mode, --wandb_project -> start_tracking, wandb_mode
+      -> test_week::test_wandb_online_without_network_or_key_logs_offline_or_stops_at_once
+  SIGTERM, Ctrl-C -> Preemption, step_with_back_off, save_now, stop_preempted
       -> test_reliability::test_a_signal_saves_a_checkpoint_and_the_run_resumes_bit_for_bit
   DeepSpeed (accelerate config) -> make_accelerator, optimizer_step, save_final_model
       -> test_train::test_deepspeed_reproduces_the_plain_run
+  FSDP (accelerate config) -> make_accelerator -> test_week::test_an_fsdp_config_is_refused_naming_zero3
 """
 
 import argparse
@@ -97,6 +105,7 @@ import json
 import math
 import netrc
 import os
+import random
 import re
 import secrets
 import shlex
@@ -143,6 +152,7 @@ def check_versions(minimums, needed_for=""):
 check_versions({"torch": "2.5", "accelerate": "1.0", "sentence-transformers": "6.0"})
 
 import huggingface_hub
+import numpy
 import psutil
 import torch
 from accelerate import Accelerator, DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
@@ -544,14 +554,14 @@ def main(args):
     engine, optimizer, loader, scheduler, derived = prepare_training(
         args, accelerator, model, train_sets, skipped_records
     )
-    total_steps, checkpoints_dir = derived["total_steps"], Path(args.output_dir) / "checkpoints"
+    total_steps = derived["total_steps"]
     stats = {}  # each batch's numbers for the logs: tokens from the step, accuracy and masks from the loss
-    steps = source_steps(args, accelerator, engine, model, prompts, train_sets, stats)
+    preemption = Preemption(accelerator)  # SIGTERM, Ctrl-C: the step stops at its next group of chunks
+    steps = source_steps(args, accelerator, engine, model, prompts, train_sets, stats, preemption.agreed)
     streak = Streak.of(accelerator, engine, last_checkpoint=resume[0] if resume else None)
     progress = resume_training(accelerator, *resume, args, scheduler, total_steps) if resume else Progress()
     settings = resolved_settings(args, model, prompts) | derived  # the flags as the run uses them
     wandb_run_id = start_tracking(accelerator, args, settings, resume[1] if resume else None)
-    signals = stop_on_signals()  # preemption: saved at the next optimizer step, then the run stops
 
     # --- The loop: an optimizer step every --gradient_accumulation_steps batches ---
     first_eval = last_eval = None
@@ -561,6 +571,7 @@ def main(args):
     window, masks_warned = LogWindow(), False
     chunking = {"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {"chunk_size": args.chunk_size}
     bar = tqdm(total=total_steps, initial=progress.global_step, disable=not accelerator.is_main_process)
+    preemption.mark(progress)  # where the coming step starts: what a signal during it saves
     with bar:  # a context: an error's line (printed at the end of the file) comes after the bar
         for batch in batches_from(progress, loader, accelerator, total_steps):
             started = time.perf_counter()
@@ -569,6 +580,10 @@ def main(args):
                 report, chunking = step_with_back_off(
                     steps[source], batch, chunking, args, accelerator, optimizer
                 )
+            if report is None:  # a signal stopped the step: the run is saved as it stood at the step's start
+                preemption.rewind(progress)
+                save_now(accelerator, model, streak, progress, derived, args, wandb_run_id)
+                stop_preempted(accelerator, args, preemption.received, streak)
             streak.add_batch(report, sources[source], progress)
             if accelerator.sync_gradients:
                 learning_rate, grad_norm = optimizer_step(
@@ -590,20 +605,16 @@ def main(args):
                     grad_norm=grad_norm, **chunking, **from_source,
                 )  # fmt: skip
                 window = LogWindow()
-            preempted = not last and stop_agreed(accelerator, signals)
+            preempted = not last and preemption.agreed()  # a signal after the step's last group
             if evaluator and due(args.eval_steps, progress, last) and not preempted:
                 last_eval = evaluate(evaluator, model, accelerator, progress.global_step)
-            # No checkpoint inside a streak of non-finite steps: `latest` would resume into the streak.
-            if (due(args.save_steps, progress, last) or preempted) and not streak.in_a_row:
-                state = checkpoint_state(progress, derived, args, wandb_run_id)
-                check_weights_finite(accelerator, model, streak, progress)
-                streak.checkpointed(
-                    save_checkpoint(accelerator, checkpoints_dir, state, args.save_total_limit)
-                )
+            if due(args.save_steps, progress, last) or preempted:
+                save_now(accelerator, model, streak, progress, derived, args, wandb_run_id)
             if preempted:
-                stop_preempted(accelerator, args, signals, streak.last_checkpoint, saved=not streak.in_a_row)
+                stop_preempted(accelerator, args, preemption.received, streak)
             if last:
                 break
+            preemption.mark(progress)
     finish(accelerator, model, args, prompts, first_eval, last_eval)
 
 
@@ -1207,22 +1218,53 @@ class Progress:
     nonfinite_steps: int = 0
 
 
-def stop_on_signals():
-    """SIGTERM (a cluster's notice before SIGKILL) and Ctrl-C only record their name in the returned set: the
-    loop saves at the next optimizer step. A second signal, during the save too, changes nothing."""
-    received = set()
-    for signal_number in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signal_number, lambda number, frame: received.add(signal.Signals(number).name))
-    return received
+class Preemption:
+    """SIGTERM (a cluster's notice before SIGKILL, which a launcher forwards to every worker) and Ctrl-C:
+    the handler only records the signal. The processes agree (`agreed`) at every group of chunks, so the
+    step stops at its next one, and the run saves the state of the step's start (`mark`, `rewind`): the
+    save need not wait for the step, whatever its length, within a launcher's grace (torchrun's
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default). A second signal, even during the save, changes
+    nothing."""
+
+    def __init__(self, accelerator):
+        self.received, self.accelerator, self.at = set(), accelerator, None
+        for number in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(number, lambda number, frame: self.received.add(signal.Signals(number).name))
+        # The flag is all-reduced on the CPU: on a GPU's process group each check would wait for the kernels.
+        distributed = accelerator.num_processes > 1
+        self.group = torch.distributed.new_group(backend="gloo") if distributed else None
+
+    def agreed(self):
+        """Whether any process received a signal: the same answer on every process, one all-reduce."""
+        flag = torch.tensor(float(bool(self.received)))
+        if self.group is not None:
+            torch.distributed.all_reduce(flag, group=self.group)
+        return flag.item() > 0
+
+    def mark(self, progress):
+        """Where the next optimizer step starts: the data position and the RNG states save_state writes."""
+        rng = (random.getstate(), numpy.random.get_state(), torch.get_rng_state())
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        self.at = (progress.epoch, progress.batches_done, rng, cuda)
+
+    def rewind(self, progress):
+        """Back to the mark: the interrupted step's batches and dropout are drawn again on resume."""
+        progress.epoch, progress.batches_done, rng, cuda = self.at
+        random.setstate(rng[0])
+        numpy.random.set_state(rng[1])
+        torch.set_rng_state(rng[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 # ---- The step: Gradient Cache on one batch, with the loss as the flags set it and the batch's side data
 # ---- (false-negative masks, the guide's representations, the teacher's scores)
 
 
-def source_steps(args, accelerator, engine, model, prompts, train_sets, stats):
+def source_steps(args, accelerator, engine, model, prompts, train_sets, stats, interrupt):
     """The step of each --data source's batches (gradient_cache_step): its prompts, its loss, its flags, and
-    what every step shares: `stats` for the logs, the anchors' known positives and the guide model."""
+    what every step shares: `stats` for the logs, the anchors' known positives, the guide model and
+    `interrupt`, which stops a step at its next group of chunks."""
     # An anchor's other positives in the data are no negatives of it (--mask_repeated_texts).
     known_positives = positives_by_anchor(*train_sets) if args.mask_repeated_texts == "on" else None
     guide = load_guide(args, accelerator)  # --guide_model: its scores mask false negatives
@@ -1238,6 +1280,7 @@ def source_steps(args, accelerator, engine, model, prompts, train_sets, stats):
             stats=stats,
             known_positives=known_positives,
             guide=guide,
+            interrupt=interrupt,
         )
         for source, source_prompts in zip(source_settings(args), prompts, strict=True)
     ]
@@ -1303,7 +1346,7 @@ def load_guide(args, accelerator):
 
 def gradient_cache_step(
     accelerator, engine, model, prompts, loss_fn, args, batch, chunking, stats=None, known_positives=None,
-    guide=None,
+    guide=None, interrupt=None,
 ):  # fmt: skip
     """Gradient Cache on one batch ({column: texts}): accumulates its gradients, returns gradcache's report.
 
@@ -1352,6 +1395,7 @@ def gradient_cache_step(
         # DeepSpeed's passes are collectives themselves: a process that runs out of memory cannot agree.
         agree_on_out_of_memory=accelerator.distributed_type != DistributedType.DEEPSPEED,
         encode_group=engine if towers else None,
+        interrupt=interrupt,
         **({"cross_process_negatives": args.cross_process_negatives} if in_batch else {}),
     )
     if stats is not None:
@@ -1665,17 +1709,27 @@ def warn_if_masking_much(accelerator, args, stats, progress):
     return True
 
 
-def stop_agreed(accelerator, signals):
-    """Whether any process received a signal: one all-reduce, so that all save and stop at the same step."""
-    flag = torch.tensor(float(bool(signals)), device=accelerator.device)
-    return accelerator.reduce(flag, "sum").item() > 0
+def save_now(accelerator, model, streak, progress, derived, args, wandb_run_id):
+    """The checkpoint of this step, unless one exists (a preemption right after a save) or the step is inside
+    a streak of non-finite steps (`latest` would resume into the streak)."""
+    checkpoint = Path(args.output_dir) / "checkpoints" / f"step_{progress.global_step}"
+    if streak.in_a_row or streak.last_checkpoint == checkpoint:
+        return
+    state = checkpoint_state(progress, derived, args, wandb_run_id)
+    check_weights_finite(accelerator, model, streak, progress)
+    streak.checkpointed(save_checkpoint(accelerator, checkpoint.parent, state, args.save_total_limit))
 
 
-def stop_preempted(accelerator, args, signals, checkpoint, saved):
+def stop_preempted(accelerator, args, signals, streak):
     """Exit 0 after the checkpoint: a launcher (accelerate's, torchrun) reports any other code as a crash.
-    Inside a streak of non-finite steps none was saved: `checkpoint` is the last one before it, or None."""
+    Inside a streak of non-finite steps none was saved: the last one before it is named, or none."""
     why = ", ".join(sorted(signals)) or "a signal to another process"
-    where = f"saved {checkpoint}" if saved else f"none saved inside non-finite steps, the last: {checkpoint}"
+    checkpoint = streak.last_checkpoint
+    where = (
+        f"saved {checkpoint}"
+        if not streak.in_a_row
+        else f"none saved inside non-finite steps, the last: {checkpoint}"
+    )
     accelerator.print(
         f"stopped by {why}: {where}. Continue with the same launcher and {resume_command(args)}"
     )
@@ -1878,10 +1932,12 @@ def gathered_parameters(model):
 
 def step_with_back_off(step, batch, chunking, args, accelerator, optimizer):
     """(report, chunking): step(batch, chunking), redone with half the chunk after an out-of-memory error if
-    --auto_chunk_size; otherwise the run stops, saying what to launch with."""
+    --auto_chunk_size; otherwise the run stops, saying what to launch with. No report: a signal stopped it."""
     while True:
         try:
             return step(batch, chunking), chunking
+        except gradcache.StepInterrupted:  # by a signal, on every process at the same group of chunks
+            return None, chunking
         except gradcache.ChunkOutOfMemory as error:  # raised by every process together, when agreed
             chunking = smaller_chunk(error, chunking, args, accelerator)
         # The error, and the step it pinned, are gone: release the memory before the redo.

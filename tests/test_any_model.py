@@ -216,7 +216,7 @@ def test_a_model_with_batch_norm_is_refused_at_start(tmp_path, monkeypatch):
             train.main(args)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
-    assert not (tmp_path / "run").exists()
+    assert [path.name for path in (tmp_path / "run").iterdir()] == [".lock"]  # the folder claimed, no more
 
 
 # ---------------------------------------------------------------------------------------------------------

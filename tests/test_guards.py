@@ -94,6 +94,60 @@ def test_out_of_memory_names_the_chunk_size_to_use_and_a_smaller_chunk_is_exact(
     )
 
 
+class Forwards(torch.nn.Module):
+    """Counts its forwards; raises torch.OutOfMemoryError, as CUDA would, at the `out_of_memory_at`-th."""
+
+    def __init__(self, encoder, out_of_memory_at=0):
+        super().__init__()
+        self.encoder, self.calls, self.out_of_memory_at = encoder, 0, out_of_memory_at
+
+    def forward(self, features):
+        self.calls += 1
+        if self.calls == self.out_of_memory_at:
+            raise torch.OutOfMemoryError("CUDA out of memory (test double)")
+        return self.encoder(features)
+
+
+@pytest.mark.parametrize("budget", [None, 2**40], ids=["last-group-kept", "all-kept"])
+def test_interrupt_is_asked_before_every_forward_out_of_memory_or_not(budget):
+    """A signal stops a step at its next group (train.py's `interrupt` is an all-reduce across processes),
+    so every process must ask as often: before each group of stage 1 and each re-encoded one, also after
+    running out of memory, when it computes nothing until the agreement. Told to stop at the k-th call,
+    the step raises StepInterrupted there, having run k - 1 forwards."""
+    columns = make_batch(1)
+    groups = sum(-(-len(column["input_ids"]) // 2) for column in columns)  # chunks of 2, a group each
+    asks = groups + (groups - 1 if budget is None else 0)  # stage 1, then the re-encoded groups
+
+    def step(encoder, interrupt):
+        return gradcache.gradcache_step(
+            encoder, columns, chunk_size=2, graph_budget=budget, interrupt=interrupt
+        )
+
+    asked = Asked()
+    step(Forwards(TinyEncoder(0.0)), asked)
+    assert asked.calls == asks
+    asked = Asked()
+    with pytest.raises(gradcache.ChunkOutOfMemory):
+        step(Forwards(TinyEncoder(0.0), out_of_memory_at=3), asked)
+    assert asked.calls == groups  # the groups after the out-of-memory asked too
+    for stop_at in (1, asks // 2, asks):
+        encoder, asked = Forwards(TinyEncoder(0.0)), Asked(stop_at)
+        with pytest.raises(gradcache.StepInterrupted):
+            step(encoder, asked)
+        assert encoder.calls == stop_at - 1 and asked.calls == stop_at
+
+
+class Asked:
+    """An interrupt that counts its calls and says stop at the `stop_at`-th (0: never)."""
+
+    def __init__(self, stop_at=0):
+        self.calls, self.stop_at = 0, stop_at
+
+    def __call__(self):
+        self.calls += 1
+        return self.calls == self.stop_at
+
+
 def test_out_of_memory_in_the_kept_chunk_backward_is_reported(monkeypatch):
     backpropagate = gradcache.backpropagate_cache
 

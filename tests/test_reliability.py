@@ -103,12 +103,13 @@ def test_killed_at_a_checkpoint_the_run_resumes_bit_for_bit(
 def test_a_signal_saves_a_checkpoint_and_the_run_resumes_bit_for_bit(
     signal_name, tmp_path, data, model_with_dropout, uninterrupted, capsys
 ):
-    """SIGTERM (preemption) or Ctrl-C during step 3, and again while its checkpoint is written: the run saves
-    step_3 whole, says how to resume and exits 0; resumed, it reaches the uninterrupted run's weights. One
-    handler catches both signals, so only the SIGTERM run is resumed. The SIGTERM run is launched (its exit
-    status is the launcher's); Ctrl-C, sent to this process while train.main runs in it, and the resume run
-    here (suite time)."""
-    args = ("--model", model_with_dropout, "--data", data[0], "--max_steps", 6, "--save_steps", 2)
+    """SIGTERM (preemption) or Ctrl-C during step 3, and again while its checkpoint is written: the step stops
+    at its next group of chunks, the run saves the state of the step's start as step_2 (the data position
+    and dropout's RNG included, no checkpoint being due there), says how to resume and exits 0; resumed, it
+    redoes step 3 and reaches the uninterrupted run's weights bit for bit. One handler catches both signals,
+    so only the SIGTERM run is resumed. The SIGTERM run is launched (its exit status is the launcher's);
+    Ctrl-C, sent to this process while train.main runs in it, and the resume run here (suite time)."""
+    args = ("--model", model_with_dropout, "--data", data[0], "--max_steps", 6, "--save_steps", 4)
     faults = {"GRADCACHE_FAULT_SIGNAL": f"{signal_name}:3"}
     if signal_name == "SIGTERM":
         stopped = launch_with_faults(tmp_path, *args, faults=faults).stdout
@@ -118,30 +119,31 @@ def test_a_signal_saves_a_checkpoint_and_the_run_resumes_bit_for_bit(
         assert exited.value.code == 0
         stopped = capsys.readouterr().out
     checkpoints = tmp_path / "checkpoints"
-    assert f"stopped by {signal_name}: saved {checkpoints / 'step_3'}." in stopped
+    assert f"stopped by {signal_name}: saved {checkpoints / 'step_2'}." in stopped
     assert "--resume_from_checkpoint latest" in stopped
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_2", "step_3"]
-    assert (checkpoints / "step_3" / "trainer_state.json").is_file()
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_2"]
+    assert json.loads((checkpoints / "step_2" / "trainer_state.json").read_text())["batches_done"] == 2
     assert not (tmp_path / "final").exists()
     if signal_name == "SIGINT":
         return
 
     run_with_faults(tmp_path, *args, "--resume_from_checkpoint", "latest")
-    assert f"resumed from {checkpoints / 'step_3'}:" in capsys.readouterr().out
+    assert f"resumed from {checkpoints / 'step_2'}:" in capsys.readouterr().out
     resumed, reference = weights(tmp_path / "final"), weights(uninterrupted / "final")
     assert all(torch.equal(resumed[name], reference[name]) for name in reference)
 
 
 def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path, sources, model_with_dropout):
-    """Only rank 1 gets SIGTERM: the all-reduce of the flag stops rank 0 too, at the same step, and the
-    resumed run reaches the uninterrupted one's weights (also: a signal saves with --save_steps 0). On two
+    """Only rank 1 gets SIGTERM, during step 2: the all-reduce of the flag stops rank 0 too, at the same
+    group of chunks, both save step 2's start as step_1, and the resumed run reaches the uninterrupted one's
+    weights (also: a signal saves with --save_steps 0). On two
     --data sources of other columns, prompts and distillation (3 steps an epoch, of 2 triplet steps and 1 of
     pairs): the resumed processes take up the order of the sources where it stopped, dropout too."""
     args = (*two_source_flags(model_with_dropout, sources), "--max_steps", 4, "--save_steps", 0)
     faults = {"GRADCACHE_FAULT_SIGNAL": "SIGTERM:2", "GRADCACHE_FAULT_RANK": "1"}
     launch_with_faults(tmp_path / "straight", *args, processes=2)
     stopped = launch_with_faults(tmp_path / "stopped", *args, faults=faults, processes=2)
-    checkpoint = tmp_path / "stopped" / "checkpoints" / "step_2"
+    checkpoint = tmp_path / "stopped" / "checkpoints" / "step_1"
     assert f"stopped by a signal to another process: saved {checkpoint}." in stopped.stdout
     assert not (tmp_path / "stopped" / "final").exists()
     resume = ("--resume_from_checkpoint", "latest")
@@ -152,6 +154,31 @@ def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path, 
     straight_sources = logged_scalars(tmp_path / "straight")["train/source"]
     assert {int(source) for _, source in straight_sources} == {0, 1}
     assert logged_scalars(tmp_path / "stopped")["train/source"] == straight_sources
+
+
+def test_a_signal_to_the_launcher_saves_within_its_grace_whatever_the_step_length(
+    tmp_path, data, model_with_dropout
+):
+    """A scheduler's SIGTERM to `accelerate launch` (torchrun), which forwards it to the workers and kills
+    them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds later: here 3 s, with step 3 made 2 s longer per backward
+    than the grace in all (the save waited for the step's end, and none was written). The step stops at
+    its next group, the state of its start is saved as step_2 at once, and the run resumes to the
+    uninterrupted run's weights bit for bit. The launcher itself exits 1 (torchrun's SignalException)."""
+    args = ("--model", model_with_dropout, "--data", data[0], "--max_steps", 4, "--save_steps", 0)
+    faults = {"GRADCACHE_FAULT_SIGNAL_LAUNCHER": "3:2", "GRADCACHE_FAULT_RANK": "0"}
+    grace = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"}
+    launch_with_faults(tmp_path / "straight", *args, processes=2)
+    stopped = launch_with_faults(tmp_path / "stopped", *args, faults=faults | grace, processes=2, check=False)
+    checkpoint = tmp_path / "stopped" / "checkpoints" / "step_2"
+    assert stopped.returncode == 1 and "SignalException" in stopped.stderr
+    assert f"stopped by SIGTERM: saved {checkpoint}." in stopped.stdout, stopped.stdout[-2000:]
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["step_2"]
+    resumed = launch_with_faults(
+        tmp_path / "stopped", *args, "--resume_from_checkpoint", "latest", processes=2
+    )
+    assert f"resumed from {checkpoint}:" in resumed.stdout
+    resumed, reference = weights(tmp_path / "stopped" / "final"), weights(tmp_path / "straight" / "final")
+    assert all(torch.equal(resumed[name], reference[name]) for name in reference)
 
 
 class Process:

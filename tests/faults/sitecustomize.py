@@ -16,6 +16,9 @@ this module at start-up. Without a GRADCACHE_FAULT_* variable it does nothing.
   GRADCACHE_FAULT_OOM_FORWARD=<n>                  the n-th forward of the run raises torch.OutOfMemoryError
   GRADCACHE_FAULT_SIGNAL=<SIGTERM|SIGINT>:<n>      that signal to this process at the n-th step, and again
                                                    while the checkpoint it leads to is written
+  GRADCACHE_FAULT_SIGNAL_LAUNCHER=<n>:<seconds>    SIGTERM to the launcher (this process's parent) at the
+                                                   n-th step, whose every later backward then takes that
+                                                   much longer: a step longer than the launcher's grace
   GRADCACHE_FAULT_RANK=<r>                         only process r is faulty (default: all)
 
 Not a fault but a stand-in, on every process:
@@ -27,6 +30,7 @@ Not a fault but a stand-in, on every process:
 
 import os
 import signal
+import time
 
 FAULTS = {k: v for k, v in os.environ.items() if k.startswith("GRADCACHE_FAULT_")}
 
@@ -116,6 +120,9 @@ def install_step_faults():
         step["count"] += 1
         if step["count"] == signal_step:
             os.kill(os.getpid(), signal_number)
+        if step["count"] == launcher_step:
+            os.kill(os.getppid(), signal.SIGTERM)
+            step["slow"] = slow_seconds
         loss, rep_grads = cache(*args)
         if step["count"] in steps("GRADCACHE_FAULT_NAN"):
             return loss * float("nan"), [g * float("nan") for g in rep_grads]
@@ -134,6 +141,7 @@ def install_step_faults():
         return group_step(encoders, columns, loss_fn, *args, **kwargs)
 
     def faulty_backpropagate(group, reps, rep_grads, backward):
+        time.sleep(step.get("slow", 0))
         if oom_above and max(len(chunk.index) for chunk in group) > oom_above:
             raise torch.OutOfMemoryError("CUDA out of memory (test double)")
         if "GRADCACHE_FAULT_OOM_SYNC" in FAULTS and accelerate.state.GradientState().sync_gradients:
@@ -154,6 +162,7 @@ def install_step_faults():
         accelerate.Accelerator.save_state = signalled_save_state
     else:
         signal_step = 0
+    launcher_step, slow_seconds = map(float, FAULTS.get("GRADCACHE_FAULT_SIGNAL_LAUNCHER", "0:0").split(":"))
     gradcache.cache_representation_gradients = faulty_cache
     gradcache.backpropagate_cache = faulty_backpropagate
     gradcache.group_step = faulty_group_step
