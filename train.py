@@ -29,6 +29,14 @@ optimizer step, logging and evaluation, checkpoints and resume, the out-of-memor
 Feature map: flag -> the function where it acts -> the test that guards it (tests/<file>::<test>).
 
   --model, --pooling -> load_model, locate_model -> test_data::test_a_plain_transformers_model_needs_a_pooling
+  --trust_remote_code -> check_loadable, model_options, load_guide
+      -> test_model_flags::test_with_trust_remote_code_it_trains_saves_its_code_and_reloads
+  --model_dtype -> model_options, add_lora_adapters
+      -> test_model_flags::test_a_bfloat16_base_lora_step_is_exact_against_the_same_dtypes_on_the_full_batch
+  --attn_implementation -> model_options
+      -> test_model_flags::test_sdpa_and_eager_attention_give_the_same_gradients
+  a CrossEncoder, SparseEncoder folder -> check_loadable
+      -> test_model_flags::test_a_cross_encoder_or_sparse_encoder_is_refused_in_one_line
   --query_prompt, --document_prompt -> role_prompts, finish
       -> test_any_model::test_model_prompts_are_the_default_and_flags_override
   --similarity, --max_seq_length, --matryoshka_* -> prepare_model, loss_function
