@@ -18,7 +18,13 @@ from references import (
 )
 from test_any_model import COLUMNS, column_texts, trained_as
 from test_gradcache import assert_gradients_exact, unchunked_reference
-from test_train import build_tiny_model, run_main, weights
+from test_train import (
+    build_tiny_model,
+    launch_deepspeed,
+    run_main,
+    weights,
+    zero3_partitioning_everything,
+)
 
 import train
 
@@ -86,7 +92,7 @@ def test_with_trust_remote_code_it_trains_saves_its_code_and_reloads(tmp_path, d
     custom = build_custom_code_model(tmp_path)
     run = ("--output_dir", tmp_path / "run", "--model", custom, "--data", data[0], "--dev_data", "")
     run += ("--batch_size", 8, "--chunk_size", 4, "--max_steps", 2, "--lr", 1e-2, "--save_steps", 1, *flags)
-    run_main(monkeypatch, *run, "--trust_remote_code")
+    run_main(monkeypatch, *run, "--trust_remote_code", "--guide_model", custom)  # the guide's code too
     final = tmp_path / "run" / "final"
     base = custom if flags else final  # a LoRA final/ names its base model, which holds the code
     assert (base / "modeling_tiny.py").is_file() and (base / "configuration_tiny.py").is_file()
@@ -106,6 +112,23 @@ def test_with_trust_remote_code_it_trains_saves_its_code_and_reloads(tmp_path, d
         SystemExit, match=r"--trust_remote_code True \(this launch: False\).*not this model's"
     ):
         run_main(monkeypatch, *run, "--max_steps", 3, "--resume_from_checkpoint", "latest")
+
+
+def test_with_trust_remote_code_lora_trains_under_zero3_in_two_processes(tmp_path, data):
+    """Two processes import the model's code (transformers copies it into its modules cache) and load the
+    model partitioned; every parameter split, the frozen base too."""
+    from sentence_transformers import SentenceTransformer
+
+    custom = build_custom_code_model(tmp_path)
+    launch_deepspeed(
+        zero3_partitioning_everything(tmp_path), tmp_path / "run", "--model", custom, "--data", data[0],
+        "--dev_data", "", "--batch_size", 8, "--chunk_size", 4, "--max_steps", 2, "--lr", 1e-2,
+        "--wandb_mode", "disabled", "--lora_r", 4, "--trust_remote_code", processes=2,
+    )  # fmt: skip
+    reloaded = SentenceTransformer(str(tmp_path / "run" / "final"), device="cpu", trust_remote_code=True)
+    assert type(reloaded[0].auto_model).__name__ == "TinyModel"
+    trained = reloaded.state_dict()
+    assert max(float(value.abs().max()) for name, value in trained.items() if "lora_B" in name) > 0
 
 
 # ---------------------------------------------------------------------------------------------------------
