@@ -47,9 +47,11 @@ def build_decoder(folder, hidden_size, num_layers, vocab_size):
     tokenizer = transformers.Qwen2Tokenizer(
         vocab=vocab, merges=[], eos_token=end, pad_token=end, padding_side="left"
     )
+    heads = max(1, hidden_size // 64)  # of 64 dimensions, as Qwen2's; two key-value heads where they divide
     config = transformers.Qwen2Config(
         vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-        num_attention_heads=hidden_size // 64, num_key_value_heads=2, intermediate_size=hidden_size * 11 // 4,
+        num_attention_heads=heads, num_key_value_heads=2 if heads % 2 == 0 else 1,
+        intermediate_size=hidden_size * 11 // 4,
         max_position_embeddings=512, pad_token_id=0,
     )  # fmt: skip
     torch.manual_seed(0)
