@@ -812,11 +812,8 @@ def checkpoint_to_resume(args, accelerator):
     saved, processes = state["args"], state["processes"]
 
     def changed(keys):
-        return [
-            f"--{k} {saved.get(k)} (this launch: {getattr(args, k)})"
-            for k in keys
-            if saved.get(k, parser.get_default(k)) != getattr(args, k)  # a flag newer than the checkpoint
-        ]
+        values = {k: saved.get(k, parser.get_default(k)) for k in keys}  # a flag newer than the checkpoint
+        return [f"--{k} {v} (this launch: {vars(args)[k]})" for k, v in values.items() if v != vars(args)[k]]
 
     data_order, weights = changed(RESUME_KEYS), changed(MODEL_KEYS)
     if processes != accelerator.num_processes:

@@ -131,6 +131,22 @@ def test_with_trust_remote_code_lora_trains_under_zero3_in_two_processes(tmp_pat
     assert max(float(value.abs().max()) for name, value in trained.items() if "lora_B" in name) > 0
 
 
+def test_a_checkpoint_older_than_the_model_flags_resumes_at_their_defaults(tmp_path, monkeypatch):
+    """A trainer_state.json without --trust_remote_code and --model_dtype (written before they existed) is
+    this launch's with their defaults: the resume check passes, and the launch stops at the next check."""
+    flags = ["--model", "m", "--data", "x.jsonl"]
+    saved = vars(train.parse_args(flags))
+    del saved["trust_remote_code"], saved["model_dtype"]
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"processes": 1, "args": saved}))
+    with pytest.raises(SystemExit, match="no such file or folder: x.jsonl"):
+        run_main(monkeypatch, *flags, "--output_dir", tmp_path / "run", "--resume_from_checkpoint", tmp_path)
+    with pytest.raises(SystemExit, match=r"--model_dtype float32 \(this launch: bfloat16\)"):
+        run_main(
+            monkeypatch, *flags, "--lora_r", 8, "--model_dtype", "bfloat16",
+            "--output_dir", tmp_path / "run2", "--resume_from_checkpoint", tmp_path,
+        )  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------------------
 # --model_dtype: the frozen base of a LoRA adapter in bfloat16
 # ---------------------------------------------------------------------------------------------------------
