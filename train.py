@@ -898,31 +898,31 @@ def negatives_per_example(args, processes, train_data):
     return args.batch_size * (processes if args.cross_process_negatives else 1) * group - 1
 
 
-def load_model(name, device, pooling=None, say=print, **options):
+def load_model(name, device, pooling=None, say=print, flag="--model", **options):
     """--model as a SentenceTransformer: a folder, or a hub name (from the local cache alone when the hub is
     out of reach). A transformers model without sentence-transformers' modules.json pools as --pooling says:
     it is refused without it, never pooled by a silent guess. `options`: SentenceTransformer's keywords
-    (model_options)."""
+    (model_options); `flag` names it in errors."""
     local_only, folder = locate_model(name), Path(name).expanduser()
     source = str(folder) if folder.is_dir() else name
     if folder.is_dir() and not any((folder / file).is_file() for file in ("modules.json", "config.json")):
-        fail(f"--model {name}: not a model folder (no modules.json, no config.json).")
+        fail(f"{flag} {name}: not a model folder (no modules.json, no config.json).")
     try:  # a gated or missing hub repository too; modules.json looked up as sentence-transformers does
         plain = load_file_path(source, "modules.json", local_files_only=local_only) is None
         if plain and not pooling:
             fail(
-                f"--model {name} is a transformers model without sentence-transformers' modules.json, so "
+                f"{flag} {name} is a transformers model without sentence-transformers' modules.json, so "
                 "nothing says how to pool its tokens into one embedding: add --pooling mean, cls or "
                 "lasttoken, as the model was trained (lasttoken for decoder embedders)."
             )
         if pooling and not plain:
             fail(f"--pooling {pooling}: --model {name} pools as its modules.json says. Drop --pooling.")
-        check_loadable(name, source, local_only, options.get("trust_remote_code", False))
+        check_loadable(name, source, local_only, options.get("trust_remote_code", False), flag)
         model = SentenceTransformer(source, device=device, local_files_only=local_only, **options)
     except OSError as err:
-        fail(f"--model {name} could not be loaded ({err}).")
+        fail(f"{flag} {name} could not be loaded ({err}).")
     except (ValueError, ImportError) as err:  # transformers': custom code check_loadable missed, a kernel
-        fail(f"--model {name} could not be loaded: {str(err).splitlines()[0]}")
+        fail(f"{flag} {name} could not be loaded: {str(err).splitlines()[0]}")
     if pooling:  # in place of sentence-transformers' guess: mean, or lasttoken for a causal language model
         index = next(i for i, module in enumerate(model) if isinstance(module, Pooling))
         model[index] = Pooling(model[index].embedding_dimension, pooling)
@@ -939,7 +939,7 @@ def model_options(args):
     return {"trust_remote_code": args.trust_remote_code, "model_kwargs": model_kwargs}
 
 
-def check_loadable(name, source, local_only, trust_remote_code):
+def check_loadable(name, source, local_only, trust_remote_code, flag="--model"):
     """Stop in one line, before loading, where --model is not a SentenceTransformer (sentence-transformers
     would rebuild a CrossEncoder or SparseEncoder as a mean-pooled bi-encoder of its base, silently), or
     ships code of its own (a module class, a config's auto_map) without --trust_remote_code."""
@@ -950,10 +950,10 @@ def check_loadable(name, source, local_only, trust_remote_code):
 
     kind = read("config_sentence_transformers.json").get("model_type", "SentenceTransformer")
     if kind == "SparseEncoder":
-        fail(f"--model {name}: sparse encoders are not supported yet: train.py trains dense embeddings only.")
+        fail(f"{flag} {name}: sparse encoders are not supported yet: train.py trains dense embeddings only.")
     if kind != "SentenceTransformer":
         fail(
-            f"--model {name} is a {kind} (config_sentence_transformers.json): train.py trains bi-encoders "
+            f"{flag} {name} is a {kind} (config_sentence_transformers.json): train.py trains bi-encoders "
             "(SentenceTransformer). Pass one, or a transformers model with --pooling."
         )
     for module in read("modules.json") or [{"path": "", "type": "sentence_transformers"}]:
@@ -965,7 +965,7 @@ def check_loadable(name, source, local_only, trust_remote_code):
         if not module["type"].startswith("sentence_transformers"):
             code.append(f"modules.json: {module['type']}")
         if code and not trust_remote_code:
-            fail(f"--model {name} runs code of its own ({code[0]}): add --trust_remote_code if you trust it.")
+            fail(f"{flag} {name} runs code of its own ({code[0]}): add --trust_remote_code if you trust it.")
 
 
 def prepare_model(model, args):
@@ -1287,9 +1287,8 @@ def load_guide(args, accelerator):
 
     unset_hf_deepspeed_config()
     try:
-        guide = load_model(
-            args.guide_model, str(accelerator.device), trust_remote_code=args.trust_remote_code
-        )
+        device, trusted = str(accelerator.device), args.trust_remote_code
+        guide = load_model(args.guide_model, device, flag="--guide_model", trust_remote_code=trusted)
     finally:
         plugin = accelerator.state.deepspeed_plugin
         if plugin is not None and getattr(plugin, "dschf", None) is not None:

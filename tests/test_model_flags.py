@@ -81,7 +81,7 @@ def test_a_model_with_its_own_code_needs_trust_remote_code(tmp_path, data, monke
     (tmp_path / "plain").mkdir()
     plain = build_tiny_model(tmp_path / "plain", dropout=0.0)
     run = ("--output_dir", tmp_path / "run", "--data", data[0], "--dev_data", "", "--batch_size", 8)
-    with pytest.raises(SystemExit, match=expected):
+    with pytest.raises(SystemExit, match=rf"--guide_model {custom} {expected}"):
         run_main(monkeypatch, *run, "--model", plain, "--guide_model", custom, "--max_steps", 1)
 
 
