@@ -29,6 +29,14 @@ optimizer step, logging and evaluation, checkpoints and resume, the out-of-memor
 Feature map: flag -> the function where it acts -> the test that guards it (tests/<file>::<test>).
 
   --model, --pooling -> load_model, locate_model -> test_data::test_a_plain_transformers_model_needs_a_pooling
+  --trust_remote_code -> check_loadable, model_options, load_guide
+      -> test_model_flags::test_with_trust_remote_code_it_trains_saves_its_code_and_reloads
+  --model_dtype -> model_options, add_lora_adapters
+      -> test_model_flags::test_a_bfloat16_base_lora_step_is_exact_against_the_same_dtypes_on_the_full_batch
+  --attn_implementation -> model_options
+      -> test_model_flags::test_sdpa_and_eager_attention_give_the_same_gradients
+  a CrossEncoder, SparseEncoder folder -> check_loadable
+      -> test_model_flags::test_a_cross_encoder_or_sparse_encoder_is_refused_in_one_line
   --query_prompt, --document_prompt -> role_prompts, finish
       -> test_any_model::test_model_prompts_are_the_default_and_flags_override
   --similarity, --max_seq_length, --matryoshka_* -> prepare_model, loss_function
@@ -171,10 +179,10 @@ import pairs
 # fmt: off
 __all__ = [
     "parse_args", "parser", "HelpFormatter", "source_settings", "default_run_name", "main", "load_data",
-    "load_pairs", "make_loader", "load_model", "prepare_model", "role_prompts", "training_module", "Towers",
-    "is_router", "loss_function", "text_id", "positives_by_anchor", "load_guide", "gradient_cache_step",
-    "false_negatives", "guide_representations", "tokenize", "optimizer_step", "save_checkpoint",
-    "set_peak_learning_rate", "step_with_back_off",
+    "load_pairs", "make_loader", "load_model", "model_options", "prepare_model", "role_prompts",
+    "training_module", "Towers", "is_router", "loss_function", "text_id", "positives_by_anchor", "load_guide",
+    "gradient_cache_step", "false_negatives", "guide_representations", "tokenize", "optimizer_step",
+    "save_checkpoint", "set_peak_learning_rate", "step_with_back_off",
 ]
 # fmt: on
 
@@ -251,6 +259,12 @@ def add_model_flags(add):
     add("--lora_target_modules", default="all-linear", help="comma-separated module names, or all-linear")
     add("--merge_lora", action="store_true", help="save final/ with the adapter merged in")
     add("--gradient_checkpointing", action="store_true", help="recompute activations in backward")
+    add("--trust_remote_code", action="store_true", help="run the code a model ships (config.json auto_map): "
+        "--model's, its tokenizer's, --guide_model's; default: refused")
+    add("--model_dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="of the frozen "
+        "base under LoRA (the adapter trains in float32)")
+    add("--attn_implementation", choices=["eager", "sdpa", "flash_attention_2"], help="the attention "
+        "kernel; default: the model's")
 
 
 def add_data_flags(add):
@@ -462,9 +476,14 @@ def check_data_flags(args):
 
 
 def check_loss_flags(args):
-    """LoRA merging, the masks' margin, distillation's temperature, the loss's tiles."""
+    """LoRA merging and its base's dtype, the masks' margin, distillation's temperature, the loss's tiles."""
     if args.merge_lora and not args.lora_r:
         parser.error("--merge_lora merges a LoRA adapter into the model: add --lora_r, or drop --merge_lora.")
+    if args.model_dtype != "float32" and not args.lora_r:  # AdamW's updates would round away in 8-10 bits
+        parser.error(
+            f"--model_dtype {args.model_dtype} is for the frozen base under --lora_r: the weights that train "
+            "stay in float32. For lower-precision compute, pass --mixed_precision bf16 to accelerate launch."
+        )
     if args.false_negative_margin_strategy == "relative" and args.false_negative_margin is None:
         parser.error("--false_negative_margin_strategy relative needs --false_negative_margin, e.g. 0.95.")
     if not args.distill_temperature > 0:
@@ -546,7 +565,10 @@ def main(args):
     set_seed(args.seed)
     train_sets, dev_data, skipped_records = load_data(args, accelerator)  # one per --data source
     model = prepare_model(  # after the Accelerator: under ZeRO-3 the model loads partitioned
-        load_model(args.model, str(accelerator.device), args.pooling, accelerator.print), args
+        load_model(
+            args.model, str(accelerator.device), args.pooling, accelerator.print, **model_options(args)
+        ),
+        args,
     )
     sources = source_settings(args)  # each --data source's flags: its columns, prompts, loss
     prompts = [role_prompts(model, source.query_prompt, source.document_prompt) for source in sources]
@@ -802,7 +824,8 @@ def lock_run_folder(folder):
 # batches of all processes together), or, of MODEL_KEYS, with weights that would not load into this model.
 RESUME_KEYS = ("data", "data_weights", "data_sampling", "columns", "max_train_examples", "batch_size")
 RESUME_KEYS += ("gradient_accumulation_steps", "seed", "cross_process_negatives")
-MODEL_KEYS = ("model", "pooling", "lora_r", "lora_alpha", "lora_target_modules")
+MODEL_KEYS = ("model", "pooling", "lora_r", "lora_alpha", "lora_target_modules", "trust_remote_code")
+MODEL_KEYS += ("model_dtype",)
 
 
 def checkpoint_to_resume(args, accelerator):
@@ -825,11 +848,8 @@ def checkpoint_to_resume(args, accelerator):
     saved, processes = state["args"], state["processes"]
 
     def changed(keys):
-        return [
-            f"--{k} {saved.get(k)} (this launch: {getattr(args, k)})"
-            for k in keys
-            if saved.get(k) != getattr(args, k)
-        ]
+        values = {k: saved.get(k, parser.get_default(k)) for k in keys}  # a flag newer than the checkpoint
+        return [f"--{k} {v} (this launch: {vars(args)[k]})" for k, v in values.items() if v != vars(args)[k]]
 
     data_order, weights = changed(RESUME_KEYS), changed(MODEL_KEYS)
     if processes != accelerator.num_processes:
@@ -914,32 +934,74 @@ def negatives_per_example(args, processes, train_data):
     return args.batch_size * (processes if args.cross_process_negatives else 1) * group - 1
 
 
-def load_model(name, device, pooling=None, say=print):
+def load_model(name, device, pooling=None, say=print, flag="--model", **options):
     """--model as a SentenceTransformer: a folder, or a hub name (from the local cache alone when the hub is
     out of reach). A transformers model without sentence-transformers' modules.json pools as --pooling says:
-    it is refused without it, never pooled by a silent guess."""
+    it is refused without it, never pooled by a silent guess. `options`: SentenceTransformer's keywords
+    (model_options); `flag` names it in errors."""
     local_only, folder = locate_model(name), Path(name).expanduser()
     source = str(folder) if folder.is_dir() else name
     if folder.is_dir() and not any((folder / file).is_file() for file in ("modules.json", "config.json")):
-        fail(f"--model {name}: not a model folder (no modules.json, no config.json).")
+        fail(f"{flag} {name}: not a model folder (no modules.json, no config.json).")
     try:  # a gated or missing hub repository too; modules.json looked up as sentence-transformers does
         plain = load_file_path(source, "modules.json", local_files_only=local_only) is None
         if plain and not pooling:
             fail(
-                f"--model {name} is a transformers model without sentence-transformers' modules.json, so "
+                f"{flag} {name} is a transformers model without sentence-transformers' modules.json, so "
                 "nothing says how to pool its tokens into one embedding: add --pooling mean, cls or "
                 "lasttoken, as the model was trained (lasttoken for decoder embedders)."
             )
         if pooling and not plain:
             fail(f"--pooling {pooling}: --model {name} pools as its modules.json says. Drop --pooling.")
-        model = SentenceTransformer(source, device=device, local_files_only=local_only)
+        check_loadable(name, source, local_only, options.get("trust_remote_code", False), flag)
+        model = SentenceTransformer(source, device=device, local_files_only=local_only, **options)
     except OSError as err:
-        fail(f"--model {name} could not be loaded ({err}).")
+        fail(f"{flag} {name} could not be loaded ({err}).")
+    except (ValueError, ImportError) as err:  # transformers': custom code check_loadable missed, a kernel
+        fail(f"{flag} {name} could not be loaded: {str(err).splitlines()[0]}")
     if pooling:  # in place of sentence-transformers' guess: mean, or lasttoken for a causal language model
         index = next(i for i, module in enumerate(model) if isinstance(module, Pooling))
         model[index] = Pooling(model[index].embedding_dimension, pooling)
         say(f"train.py: --model {name}: {pooling} pooling (--pooling), saved in final/")
     return model
+
+
+def model_options(args):
+    """SentenceTransformer's keywords for --trust_remote_code, --model_dtype and --attn_implementation. The
+    dtype always: transformers 5 would load a checkpoint saved in bfloat16 in bfloat16 ("auto")."""
+    model_kwargs = {"dtype": getattr(torch, args.model_dtype)}
+    if args.attn_implementation:
+        model_kwargs["attn_implementation"] = args.attn_implementation
+    return {"trust_remote_code": args.trust_remote_code, "model_kwargs": model_kwargs}
+
+
+def check_loadable(name, source, local_only, trust_remote_code, flag="--model"):
+    """Stop in one line, before loading, where --model is not a SentenceTransformer (sentence-transformers
+    would rebuild a CrossEncoder or SparseEncoder as a mean-pooled bi-encoder of its base, silently), or
+    ships code of its own (a module class, a config's auto_map) without --trust_remote_code."""
+
+    def read(file):
+        path = load_file_path(source, file, local_files_only=local_only)
+        return json.loads(Path(path).read_text()) if path else {}
+
+    kind = read("config_sentence_transformers.json").get("model_type", "SentenceTransformer")
+    if kind == "SparseEncoder":
+        fail(f"{flag} {name}: sparse encoders are not supported yet: train.py trains dense embeddings only.")
+    if kind != "SentenceTransformer":
+        fail(
+            f"{flag} {name} is a {kind} (config_sentence_transformers.json): train.py trains bi-encoders "
+            "(SentenceTransformer). Pass one, or a transformers model with --pooling."
+        )
+    for module in read("modules.json") or [{"path": "", "type": "sentence_transformers"}]:
+        folder = f"{module['path']}/" if module["path"] else ""
+        maps = {
+            file: read(folder + file).get("auto_map") for file in ("config.json", "tokenizer_config.json")
+        }
+        code = [f"{folder}{file} auto_map" for file, auto_map in maps.items() if auto_map]
+        if not module["type"].startswith("sentence_transformers"):
+            code.append(f"modules.json: {module['type']}")
+        if code and not trust_remote_code:
+            fail(f"{flag} {name} runs code of its own ({code[0]}): add --trust_remote_code if you trust it.")
 
 
 def prepare_model(model, args):
@@ -994,6 +1056,9 @@ def add_lora_adapters(transformers, args):
         if Path(transformer.name_or_path).exists():
             transformer.name_or_path = str(Path(transformer.name_or_path).resolve())
         transformer.add_adapter(config)  # freezes the other weights; model.save writes the adapter
+        for parameter in transformer.parameters():  # on a --model_dtype base: AdamW's updates need float32
+            if parameter.requires_grad and parameter.dtype != torch.float32:
+                parameter.data = parameter.data.float()
 
 
 def enable_gradient_checkpointing(transformers):
@@ -1336,7 +1401,8 @@ def load_guide(args, accelerator):
 
     unset_hf_deepspeed_config()
     try:
-        guide = load_model(args.guide_model, str(accelerator.device))
+        device, trusted = str(accelerator.device), args.trust_remote_code
+        guide = load_model(args.guide_model, device, flag="--guide_model", trust_remote_code=trusted)
     finally:
         plugin = accelerator.state.deepspeed_plugin
         if plugin is not None and getattr(plugin, "dschf", None) is not None:

@@ -26,6 +26,13 @@ all-MiniLM-L6-v2, peak memory by torch.cuda.max_memory_allocated; the table goes
 (else bench/results/). Two warm-up and three measured rounds: about a minute on one GPU.
 
     python bench/gpu_check.py --budget_sweep
+
+Last, --attn_implementation flash_attention_2 (needs the flash-attn package) on the tiny Llama, a bfloat16
+base with a LoRA adapter, loaded as train.py loads it: a gradcache_step in chunks of 3 against the same
+model with sdpa on the full batch in one graph, by tests/references.py's rule with that bfloat16 reference
+in the float32 reference's place (the truth: the model in float64); seconds.
+
+    python bench/gpu_check.py --flash_attention_only
 """
 
 import argparse
@@ -177,6 +184,52 @@ def run_budget_sweep():
     return report
 
 
+def run_flash_attention_check(out_dir, attention="flash_attention_2", device="cuda"):
+    """(markdown, passed) of the flash-attention check (the module docstring). `attention` and `device` let
+    the same check run on a CPU with another kernel."""
+    if attention == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        return "\nflash_attention_2: not run, flash-attn is not installed (pip install flash-attn).\n", False
+    import copy
+    import functools
+
+    from references import exactness, float64, materialized_contrastive_loss, parameter_gradients
+    from test_any_model import COLUMNS, column_texts
+    from test_gradcache import unchunked_reference
+    from test_train import build_tiny_model
+
+    import gradcache
+    import train
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    folder = build_tiny_model(Path(out_dir), dropout=0.0, kind="decoder")
+
+    def loaded(kernel):
+        flags = ["--lora_r", "4", "--model_dtype", "bfloat16", "--attn_implementation", kernel]
+        args = train.parse_args(["--model", str(folder), "--data", "unused.jsonl", *flags])
+        return train.prepare_model(train.load_model(args.model, device, **train.model_options(args)), args)
+
+    run, reference = loaded(attention), loaded("sdpa")
+    torch.manual_seed(2)  # peft starts B at zero, where A gets no gradient: a random B tests both
+    for name, parameter in run.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.1)
+    reference.load_state_dict(run.state_dict())  # the adapter's A too: each load draws its own
+    prompts = train.role_prompts(run)
+    columns = [train.tokenize(run, column_texts(i, 12), c, prompts) for i, c in enumerate(COLUMNS)]
+    reference_loss = functools.partial(materialized_contrastive_loss, symmetric=True)
+    gradients = []
+    for copied, cast in ((copy.deepcopy(reference), lambda values: values), (float64(reference), float64)):
+        unchunked_reference([copied] * len(columns), cast(columns), reference_loss)
+        gradients.append(parameter_gradients(copied))
+    loss_fn = functools.partial(gradcache.contrastive_loss, symmetric=True)
+    gradcache.gradcache_step(run, columns, loss_fn, 3)
+    measured = exactness(parameter_gradients(run), *gradients)
+    rows = "| attention | LoRA gradients against float64 | passed |\n| --- | --- | --- |\n"
+    return f"\n{rows}| {attention}, bfloat16 base | {measured} | {'yes' if measured.holds else 'NO'} |\n", (
+        measured.holds
+    )
+
+
 def main():
     options = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -185,8 +238,11 @@ def main():
         "--overflow_only", action="store_true", help="only the fp16 overflow runs of train.py"
     )
     options.add_argument("--budget_sweep", action="store_true", help="only the graph_budget sweep")
+    options.add_argument(
+        "--flash_attention_only", action="store_true", help="only the flash_attention_2 check"
+    )
     parsed = options.parse_args()
-    overflow_only = parsed.overflow_only
+    overflow_only, flash_only = parsed.overflow_only, parsed.flash_attention_only
     if not torch.cuda.is_available():
         sys.exit(
             "gpu_check.py needs CUDA: torch sees no GPU here. The CPU checks are tests/test_backends.py."
@@ -194,28 +250,34 @@ def main():
     if parsed.budget_sweep:
         run_budget_sweep()
         return
-    rows, notes = [], []
+    rows, notes, overflow_table, overflow_passed = [], [], "", True
     with tempfile.TemporaryDirectory() as out_dir:
-        if not overflow_only:
+        if not (overflow_only or flash_only):
             rows, notes = run_checks(out_dir)
-        overflow_table, overflow_passed = run_overflow_checks(out_dir)
+        if not flash_only:
+            overflow_table, overflow_passed = run_overflow_checks(out_dir)
+        flash_table, flash_passed = (
+            run_flash_attention_check(Path(out_dir) / "flash") if not overflow_only else ("", True)
+        )
     header = (
         f"# Gradient Cache GPU check\n\n{torch.cuda.get_device_name()}, torch {torch.__version__}, "
         f"Python {platform.python_version()}. Max relative difference against the fp32 full-batch reference "
         "(per tensor, max|diff| / max|reference|; worst tensor).\n\n"
     )
     report = (
-        header + ("" if overflow_only else markdown_table(rows)) + "".join(f"\n{note}\n" for note in notes)
+        header
+        + ("" if overflow_only or flash_only else markdown_table(rows))
+        + "".join(f"\n{note}\n" for note in notes)
     )
-    report += "\n" + overflow_table
+    report += "\n" + overflow_table + flash_table
     print(report)
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.md").write_text(report)
-    expected_rows = 0 if overflow_only else len(ACCELERATE_CASES) + len(DEEPSPEED_CASES)
+    expected_rows = 0 if overflow_only or flash_only else len(ACCELERATE_CASES) + len(DEEPSPEED_CASES)
     if len(rows) < expected_rows or not all(passes(case, comparison) for case, comparison in rows):
         sys.exit(1)
-    if not overflow_passed:
+    if not (overflow_passed and flash_passed):
         sys.exit(1)
 
 

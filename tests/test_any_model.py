@@ -57,7 +57,7 @@ ARCHITECTURES = {
 def trained_as(folder, flags):
     """The model as train.py trains it: loaded, then prepare_model with the flags."""
     args = train.parse_args(["--model", str(folder), "--data", "unused.jsonl", *flags])
-    model = train.prepare_model(train.load_model(args.model, "cpu"), args)
+    model = train.prepare_model(train.load_model(args.model, "cpu", **train.model_options(args)), args)
     return model, args
 
 
@@ -198,8 +198,8 @@ def test_a_model_with_batch_norm_is_refused_at_start(tmp_path, monkeypatch):
     data = write_rows(tmp_path / "train.jsonl", rows)
     load_model = train.load_model
 
-    def with_batch_norm(*args):
-        model = load_model(*args)
+    def with_batch_norm(*args, **options):
+        model = load_model(*args, **options)
         model.append(BatchNormHead(model.get_embedding_dimension()).eval())  # in eval mode, as loaded
         return model
 

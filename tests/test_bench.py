@@ -369,3 +369,14 @@ def test_make_results_assembles_every_section(results_dir, smoke_run):
         assert f"Every section ran at commit {commits.pop()}, with a clean working tree." in text
     else:
         assert "**Not one clean commit" in text
+
+
+def test_dtype_memory_halves_the_base_and_keeps_the_adapter_in_float32():
+    """bench/dtype_memory.py on a Qwen2 of one layer (its two fresh processes: seconds)."""
+    import dtype_memory
+
+    tiny = ["--hidden_size", "64", "--num_layers", "1", "--vocab_size", "512", "--batch_size", "4"]
+    float32, bfloat16 = dtype_memory.main([*tiny, "--chunk_size", "2", "--max_seq_length", "8"])
+    assert (float32["dtype"], bfloat16["dtype"]) == ("float32", "bfloat16")
+    assert bfloat16["base_bytes"] * 2 == float32["base_bytes"]
+    assert bfloat16["adapter_bytes"] == float32["adapter_bytes"] and bfloat16["adapter_dtypes"] == ["float32"]
