@@ -40,6 +40,8 @@ Feature map: flag -> the function where it acts -> the test that guards it (test
       -> test_bench::test_checkpointing_measured_as_train_py_applies_it
   --data, --columns, --dev_data, --dev_columns -> load_data (pairs.load_pairs, pairs.load_beir)
       -> test_data::test_every_data_form_reads_the_same_rows
+  --dev_queries, --dev_corpus_size -> pairs.build_evaluator, evaluate, encode_corpus
+      -> test_train::test_the_processes_share_the_dev_corpus_and_log_the_one_process_metrics
   --skip_bad_records, --max_text_chars -> pairs.load_pairs
       -> test_reliability::test_every_malformed_record_is_named_or_skipped
   --data_weights, --data_sampling -> make_loader (pairs.SourceMix)
@@ -262,7 +264,9 @@ def add_data_flags(add):
     add("--skip_bad_records", action="store_true", help="leave malformed records out (counted), not stop")
     add("--max_text_chars", type=int, default=20000, help="a longer text is a malformed record")
     add("--max_train_examples", type=int, help="a seeded subset; default 1024 bundled, all others")
-    add("--dev_queries", type=int, default=500, help="dev queries evaluated, 0 for all; the corpus is whole")
+    add("--dev_queries", type=int, default=500, help="dev queries evaluated, 0 for all")
+    add("--dev_corpus_size", type=int, default=0, help="the dev corpus: the evaluated queries' relevant "
+        "documents and N others drawn by --seed; 0: the whole corpus")
 
 
 def add_batch_flags(add):
@@ -444,6 +448,8 @@ def check_data_flags(args):
         if not source.distill_weight >= 0:
             parser.error(f"--distill_weight must be 0 (off) or more, got {source.distill_weight}.")
     role_fields(args.dev_columns, available=())
+    if args.dev_queries < 0 or args.dev_corpus_size < 0:
+        parser.error("--dev_queries and --dev_corpus_size count: give 0 (all) or more.")
     if args.cross_process_negatives and all(s.in_batch_negatives == "off" for s in source_settings(args)):
         parser.error(
             "--cross_process_negatives contrasts with other processes' candidates, but no --data source has "
@@ -540,7 +546,8 @@ def main(args):
     )
     sources = source_settings(args)  # each --data source's flags: its columns, prompts, loss
     prompts = [role_prompts(model, source.query_prompt, source.document_prompt) for source in sources]
-    evaluator = dev_data and args.eval_steps and pairs.build_evaluator(dev_data, args.dev_queries, prompts[0])
+    dev = (args.dev_queries, prompts[0], args.dev_corpus_size, args.seed, accelerator.print)
+    evaluator = dev_data and args.eval_steps and pairs.build_evaluator(dev_data, *dev)
     engine, optimizer, loader, scheduler, derived = prepare_training(
         args, accelerator, model, train_sets, skipped_records
     )
@@ -1547,18 +1554,36 @@ def optimizer_step(accelerator, engine, optimizer, scheduler, args, progress, st
 def evaluate(evaluator, model, accelerator, global_step):
     """Score the dev split, log it and, after training started, print it.
 
-    Every process evaluates: under ZeRO-3 the forward passes gather parameters collectively. The whole model
-    is gathered here, not inside sentence-transformers' inference_mode: the parameters first gathered there
-    (the small, persistent ones) would stay inference tensors, which training cannot back-propagate through.
+    Every process evaluates, the corpus split between them (encode_corpus): under ZeRO-3 the forward passes
+    gather parameters collectively. The whole model is gathered here, not inside sentence-transformers'
+    inference_mode: the parameters first gathered there (the small, persistent ones) would stay inference
+    tensors, which training cannot back-propagate through. Its time is logged too (eval/seconds).
     """
+    started = time.perf_counter()
     with gathered_parameters(model):
-        metrics = evaluator(model)  # encode switches to eval mode
+        corpus_embeddings = encode_corpus(evaluator, model, accelerator)  # encode switches to eval mode
+        metrics = evaluator(model, corpus_embeddings=corpus_embeddings)  # the queries: on every process
     model.train()
     metrics = {f"eval/{name}": value for name, value in metrics.items()}
+    metrics["eval/seconds"] = time.perf_counter() - started
     accelerator.log(metrics | {"train/global_step": global_step}, step=global_step)
     if global_step:
         accelerator.print(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return metrics
+
+
+def encode_corpus(evaluator, model, accelerator):
+    """The dev corpus's embeddings, in its order, encoded once: each process encodes an equal share (the
+    last padded with repeats: under ZeRO-3 every process must run as many forward passes), then they are
+    gathered. One process encodes the whole corpus, as the evaluator itself would."""
+    texts, processes = evaluator.corpus, accelerator.num_processes
+    share = -(-len(texts) // processes)
+    mine = texts[accelerator.process_index * share :][:share]
+    mine += texts[: share - len(mine)]  # the repeats: dropped after the gather
+    embeddings = evaluator.embed_inputs(
+        model, mine, "document", prompt_name=evaluator.corpus_prompt_name, prompt=evaluator.corpus_prompt
+    )
+    return accelerator.gather(embeddings)[: len(texts)]
 
 
 @dataclasses.dataclass

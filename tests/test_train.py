@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 import yaml
@@ -1065,3 +1066,68 @@ def test_evaluator_retrieves_each_query_positive_among_distinct_positives():
     assert evaluator.queries == ["q0", "q1"]
     assert sorted(evaluator.corpus) == ["p", "r"]
     assert evaluator.relevant_docs == {"q0": {"d0"}, "q1": {"d0"}}
+
+
+def test_dev_corpus_size_keeps_the_relevant_documents_and_seeded_others():
+    """--dev_corpus_size N: the evaluated queries' relevant documents and N others drawn by --seed, in the
+    corpus's order; the start line says how many of the corpus's."""
+    dev = {"anchor": [f"q{i}" for i in range(40)], "positive": [f"p{i}" for i in range(40)]}
+    lines = []
+    evaluator = pairs.build_evaluator(dev, 5, corpus_size=10, seed=1, say=lines.append)
+    assert lines == ["train.py: dev set: 5 queries against 15 documents (5 relevant + 10 drawn of 40)"]
+    assert {"p0", "p1", "p2", "p3", "p4"} <= set(evaluator.corpus) and len(evaluator.corpus) == 15
+    assert evaluator.corpus_ids == sorted(evaluator.corpus_ids, key=lambda doc_id: int(doc_id[1:]))
+    again, other_seed = (pairs.build_evaluator(dev, 5, corpus_size=10, seed=s, say=len) for s in (1, 2))
+    assert again.corpus_ids == evaluator.corpus_ids != other_seed.corpus_ids
+    for whole in (0, 35, 100):  # 0, or as many others as there are: the whole corpus
+        assert len(pairs.build_evaluator(dev, 5, corpus_size=whole, say=lines.append).corpus) == 40
+    assert lines[-1] == "train.py: dev set: 5 queries against 40 documents (all of 40)"
+
+
+COUNTING_SITECUSTOMIZE = """import os
+
+if "RANK" in os.environ:  # written by tests/test_train.py: the launched processes, not the launcher
+    from sentence_transformers import SentenceTransformer
+
+    encode_document = SentenceTransformer.encode_document
+
+    def counted(self, inputs, *args, **kwargs):
+        with open(os.path.join({folder!r}, os.environ["RANK"]), "a") as counts:
+            counts.write(f"{{len(inputs)}}\\n")
+        return encode_document(self, inputs, *args, **kwargs)
+
+    SentenceTransformer.encode_document = counted
+"""
+
+
+def test_the_processes_share_the_dev_corpus_and_log_the_one_process_metrics(
+    tmp_path, data, model_without_dropout, monkeypatch
+):
+    """The dev corpus is encoded once per evaluation, half of it on each of two processes, and gathered: the
+    metrics logged are the one-process ones (float tolerance: other batches), and one process logs exactly
+    what sentence-transformers' evaluator gives. Each evaluation's time is printed per process count."""
+    from sentence_transformers import SentenceTransformer
+
+    rng = random.Random(1)
+    words = [rng.sample(WORDS, 2) for _ in range(55)]
+    rows = [{"anchor": f"{a} a{i}", "positive": f"{p} p{i}"} for i, (a, p) in enumerate(words)]
+    dev = write_rows(tmp_path / "dev.jsonl", rows)  # 55 documents: 28 and 27 + 1 repeat on two processes
+    common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", dev, "--max_steps", 1)
+    common += ("--batch_size", 8, "--save_steps", 0, "--wandb_mode", "disabled")
+    counts = tmp_path / "counts"
+    site = tmp_path / "site"
+    counts.mkdir(), site.mkdir()
+    (site / "sitecustomize.py").write_text(COUNTING_SITECUSTOMIZE.format(folder=str(counts)))
+    environment = {"ACCELERATE_USE_CPU": "true", "PYTHONPATH": str(site)}
+    launch(CONFIGS / "cpu_ddp_2proc.yaml", tmp_path / "two", *common, processes=2, env=environment)
+    assert {rank: (counts / rank).read_text().split() for rank in ("0", "1")} == {r: ["28"] * 2 for r in "01"}
+    run_main(monkeypatch, *common, "--output_dir", tmp_path / "one")
+
+    evaluator = pairs.build_evaluator(pairs.load_pairs(str(dev))[0], 500, say=len)
+    expected = evaluator(SentenceTransformer(str(model_without_dropout), device="cpu"))
+    one, two = (logged_scalars(tmp_path / name) for name in ("one", "two"))
+    for name, value in expected.items():  # step 0: before training, the same model
+        assert one[f"eval/{name}"][0] == (0, float(numpy.float32(value))), name  # TensorBoard's float32
+        assert two[f"eval/{name}"][0] == (0, pytest.approx(value, abs=1e-6)), name
+    for processes, logged in ((1, one), (2, two)):
+        print(f"evaluation, {processes} process(es): {logged['eval/seconds'][0][1]:.2f} s")
