@@ -148,6 +148,7 @@ check_versions({"torch": "2.5", "accelerate": "1.0", "sentence-transformers": "6
 import huggingface_hub
 import psutil
 import torch
+import yaml
 from accelerate import Accelerator, DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 from accelerate.utils import ProjectConfiguration, broadcast_object_list, send_to_device, set_seed
 from sentence_transformers import SentenceTransformer
@@ -1184,13 +1185,26 @@ def start_tracking(accelerator, args, settings, resumed_state):
     wandb_kwargs |= {"id": (resumed_state or {}).get("wandb_run_id"), "resume": "allow"}
     first_step = resumed_state["global_step"] + 1 if resumed_state else 0
     init_kwargs = {"wandb": wandb_kwargs, "tensorboard": {"purge_step": first_step}}
-    accelerator.init_trackers(args.wandb_project, config, init_kwargs=init_kwargs)
+    accelerator.init_trackers(args.wandb_project, init_kwargs=init_kwargs)  # config: store_configuration
+    store_configuration(accelerator, config)
     run_id = None
     if accelerator.is_main_process and args.wandb_mode != "disabled":
         run = accelerator.get_tracker("wandb", unwrap=True)
         run.define_metric("*", step_metric="train/global_step")  # wandb drops a step below its own counter
         run_id = run.id
     return broadcast_object_list([run_id])[0]  # every machine's copy of a checkpoint names it
+
+
+def store_configuration(accelerator, config):
+    """`config` to each tracker; TensorBoard's hparams and hparams.yml in one subfolder of this launch's
+    (accelerate's tracker writes hparams.yml into a subfolder beside the one torch's add_hparams makes)."""
+    for tracker in accelerator.trackers:
+        if tracker.name != "tensorboard":
+            tracker.store_init_configuration(config)
+        elif accelerator.is_main_process:
+            folder = str(time.time())  # add_hparams's own default name: one subfolder per launch
+            tracker.writer.add_hparams(config, metric_dict={}, run_name=folder)
+            Path(tracker.logging_dir, folder, "hparams.yml").write_text(yaml.safe_dump(config))
 
 
 def wandb_mode(args):

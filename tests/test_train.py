@@ -237,7 +237,11 @@ def test_end_to_end_run_logs_saves_and_resumes_exactly(
         "train/padding_efficiency",
     ):  # fractions (texts of one length here)
         assert all(0 <= value <= 1 for _, value in logged[tag]), tag
-    (config,) = (tmp_path / "straight" / "tensorboard" / "gradcache").glob("*/hparams.yml")
+    tensorboard = tmp_path / "straight" / "tensorboard" / "gradcache"
+    (config,) = tensorboard.glob("*/hparams.yml")
+    # One subfolder for the launch's hparams: torch's add_hparams events beside accelerate's hparams.yml
+    assert [path for path in tensorboard.iterdir() if path.is_dir()] == [config.parent]
+    assert list(config.parent.glob("events.out.tfevents.*"))
     config = yaml.safe_load(config.read_text())  # the values the run used, not the flags' None
     assert (config["similarity"], config["max_seq_length"], config["chunk_size"]) == ("cos", 32, 3)
     assert max(value for _, value in logged["train/learning_rate"]) == pytest.approx(1e-3)
