@@ -40,7 +40,7 @@ Feature map: flag -> the function where it acts -> the test that guards it (test
       -> test_bench::test_checkpointing_measured_as_train_py_applies_it
   --data, --columns, --dev_data, --dev_columns -> load_data (pairs.load_pairs, pairs.load_beir)
       -> test_data::test_every_data_form_reads_the_same_rows
-  --dev_queries, --dev_corpus_size -> pairs.build_evaluator, evaluate, encode_corpus
+  --dev_queries, --dev_corpus_size -> pairs.build_evaluator, evaluate, split_between_processes
       -> test_train::test_the_processes_share_the_dev_corpus_and_log_the_one_process_metrics
   --skip_bad_records, --max_text_chars -> pairs.load_pairs
       -> test_reliability::test_every_malformed_record_is_named_or_skipped
@@ -176,7 +176,7 @@ __all__ = [
     "load_pairs", "make_loader", "load_model", "prepare_model", "role_prompts", "training_module", "Towers",
     "is_router", "loss_function", "text_id", "positives_by_anchor", "load_guide", "gradient_cache_step",
     "false_negatives", "guide_representations", "tokenize", "optimizer_step", "save_checkpoint",
-    "set_peak_learning_rate", "step_with_back_off",
+    "set_peak_learning_rate", "step_with_back_off", "evaluate",
 ]
 # fmt: on
 
@@ -1575,17 +1575,16 @@ def optimizer_step(accelerator, engine, optimizer, scheduler, args, progress, st
 
 
 def evaluate(evaluator, model, accelerator, global_step):
-    """Score the dev split, log it and, after training started, print it.
+    """Score the dev split, log it (with its time, eval/seconds) and, after training started, print it.
 
-    Every process evaluates, the corpus split between them (encode_corpus): under ZeRO-3 the forward passes
-    gather parameters collectively. The whole model is gathered here, not inside sentence-transformers'
+    The processes share the encoding (split_between_processes); under ZeRO-3 their forward passes gather
+    parameters collectively. The whole model is gathered here, not inside sentence-transformers'
     inference_mode: the parameters first gathered there (the small, persistent ones) would stay inference
-    tensors, which training cannot back-propagate through. Its time is logged too (eval/seconds).
+    tensors, which training cannot back-propagate through.
     """
     started = time.perf_counter()
-    with gathered_parameters(model):
-        corpus_embeddings = encode_corpus(evaluator, model, accelerator)  # encode switches to eval mode
-        metrics = evaluator(model, corpus_embeddings=corpus_embeddings)  # the queries: on every process
+    with gathered_parameters(model), split_between_processes(evaluator, accelerator):
+        metrics = evaluator(model)  # encode switches to eval mode
     model.train()
     metrics = {f"eval/{name}": value for name, value in metrics.items()}
     metrics["eval/seconds"] = time.perf_counter() - started
@@ -1595,18 +1594,24 @@ def evaluate(evaluator, model, accelerator, global_step):
     return metrics
 
 
-def encode_corpus(evaluator, model, accelerator):
-    """The dev corpus's embeddings, in its order, encoded once: each process encodes an equal share (the
-    last padded with repeats: under ZeRO-3 every process must run as many forward passes), then they are
-    gathered. One process encodes the whole corpus, as the evaluator itself would."""
-    texts, processes = evaluator.corpus, accelerator.num_processes
-    share = -(-len(texts) // processes)
-    mine = texts[accelerator.process_index * share :][:share]
-    mine += texts[: share - len(mine)]  # the repeats: dropped after the gather
-    embeddings = evaluator.embed_inputs(
-        model, mine, "document", prompt_name=evaluator.corpus_prompt_name, prompt=evaluator.corpus_prompt
-    )
-    return accelerator.gather(embeddings)[: len(texts)]
+@contextlib.contextmanager
+def split_between_processes(evaluator, accelerator):
+    """sentence-transformers' evaluator, its texts (the queries, each chunk of the corpus) encoded once: each
+    process encodes an equal share (the last padded with repeats: under ZeRO-3 every process must run as
+    many forward passes), the embeddings gathered in order, the metrics its own. One process: unchanged."""
+    embed_inputs = evaluator.embed_inputs
+
+    def embed_share(model, texts, **kwargs):
+        share = -(-len(texts) // accelerator.num_processes)
+        mine = list(texts[accelerator.process_index * share :][:share])
+        mine += texts[: share - len(mine)]  # the repeats: dropped after the gather
+        return accelerator.gather(embed_inputs(model, mine, **kwargs))[: len(texts)]
+
+    evaluator.embed_inputs = embed_share if accelerator.num_processes > 1 else embed_inputs
+    try:
+        yield
+    finally:
+        del evaluator.embed_inputs  # the class's again
 
 
 @dataclasses.dataclass

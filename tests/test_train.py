@@ -579,6 +579,11 @@ def test_deepspeed_reproduces_the_plain_run(
         measured = assert_exact(values, float32[key], truth[key], f"{name}, {tag}")
         wrong = assert_inexact([v * (1 + 1e-3) for v in values], float32[key], truth[key], f"{tag} x 1.001")
         print(f"{name}: {tag} {measured}; x (1 + 1e-3): {wrong.error:.1e}")
+    if partitioned:  # its evaluation before training, the texts split between the processes: one process's
+        plain = logged_scalars(reference_runs[1])
+        tags = [tag for tag in plain if tag.startswith("eval/dev_")]
+        assert len(tags) == 9  # accuracy, precision and recall @1 and @10, MRR, NDCG and MAP @10
+        assert all(logged[t][0] == (0, pytest.approx(plain[t][0][1], abs=1e-6)) for t in tags)
     if resume_too:  # AdamW, train.py's own: two runs of the same code, equal bit for bit
         straight, step_2 = tmp_path / "straight", tmp_path / "straight" / "checkpoints" / "step_2"
         launch_deepspeed(config, straight, *common, "--save_steps", 2, processes=2)
@@ -1096,29 +1101,32 @@ COUNTING_SITECUSTOMIZE = """import os
 if "RANK" in os.environ:  # written by tests/test_train.py: the launched processes, not the launcher
     from sentence_transformers import SentenceTransformer
 
-    encode_document = SentenceTransformer.encode_document
+    def counting(name, encode):
+        def counted(self, inputs, *args, **kwargs):
+            with open(os.path.join({folder!r}, os.environ["RANK"]), "a") as counts:
+                counts.write(f"{{name}}:{{len(inputs)}}\\n")
+            return encode(self, inputs, *args, **kwargs)
 
-    def counted(self, inputs, *args, **kwargs):
-        with open(os.path.join({folder!r}, os.environ["RANK"]), "a") as counts:
-            counts.write(f"{{len(inputs)}}\\n")
-        return encode_document(self, inputs, *args, **kwargs)
+        return counted
 
-    SentenceTransformer.encode_document = counted
+    for name in ("encode_query", "encode_document"):
+        setattr(SentenceTransformer, name, counting(name, getattr(SentenceTransformer, name)))
 """
 
 
 def test_the_processes_share_the_dev_corpus_and_log_the_one_process_metrics(
     tmp_path, data, model_without_dropout, monkeypatch
 ):
-    """The dev corpus is encoded once per evaluation, half of it on each of two processes, and gathered: the
-    metrics logged are the one-process ones (float tolerance: other batches), and one process logs exactly
-    what sentence-transformers' evaluator gives. Each evaluation's time is printed per process count."""
+    """The dev queries and corpus are encoded once per evaluation, half of them on each of two processes, and
+    gathered: the metrics logged are the one-process ones (float tolerance: other batches), and one process
+    logs exactly what sentence-transformers' evaluator gives. The evaluation's time per process count is
+    printed (bench/eval_time.py times the default model and dev set)."""
     from sentence_transformers import SentenceTransformer
 
     rng = random.Random(1)
     words = [rng.sample(WORDS, 2) for _ in range(55)]
     rows = [{"anchor": f"{a} a{i}", "positive": f"{p} p{i}"} for i, (a, p) in enumerate(words)]
-    dev = write_rows(tmp_path / "dev.jsonl", rows)  # 55 documents: 28 and 27 + 1 repeat on two processes
+    dev = write_rows(tmp_path / "dev.jsonl", rows)  # 55 texts: 28, and 27 + 1 repeat, on two processes
     common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", dev, "--max_steps", 1)
     common += ("--batch_size", 8, "--save_steps", 0, "--wandb_mode", "disabled")
     counts = tmp_path / "counts"
@@ -1127,7 +1135,8 @@ def test_the_processes_share_the_dev_corpus_and_log_the_one_process_metrics(
     (site / "sitecustomize.py").write_text(COUNTING_SITECUSTOMIZE.format(folder=str(counts)))
     environment = {"ACCELERATE_USE_CPU": "true", "PYTHONPATH": str(site)}
     launch(CONFIGS / "cpu_ddp_2proc.yaml", tmp_path / "two", *common, processes=2, env=environment)
-    assert {rank: (counts / rank).read_text().split() for rank in ("0", "1")} == {r: ["28"] * 2 for r in "01"}
+    shares = ["encode_query:28", "encode_document:28"] * 2  # 55 queries, 55 documents; 2 evaluations
+    assert {rank: (counts / rank).read_text().split() for rank in "01"} == {rank: shares for rank in "01"}
     run_main(monkeypatch, *common, "--output_dir", tmp_path / "one")
 
     evaluator = pairs.build_evaluator(pairs.load_pairs(str(dev))[0], 500, say=len)
