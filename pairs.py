@@ -672,11 +672,11 @@ def build_evaluator(dev, num_queries, prompts=None, corpus_size=0, seed=42, say=
     queries, corpus, relevant_docs = dev if isinstance(dev, tuple) else pairs_retrieval(dev)
     kept, prompts = list(queries)[: num_queries or None], prompts or {}
     relevant = set().union(*(relevant_docs[query_id] for query_id in kept)) & corpus.keys()
-    others = [doc_id for doc_id in corpus if doc_id not in relevant]
-    whole, drawn = len(corpus), set(random.Random(seed).sample(others, min(corpus_size, len(others))))
-    if 0 < corpus_size < len(others):  # kept in the corpus's order: the same documents on every process
+    others, whole = [doc for doc in corpus if doc not in relevant] if corpus_size else [], len(corpus)
+    drawn = set(random.Random(seed).sample(others, corpus_size)) if 0 < corpus_size < len(others) else set()
+    if drawn:  # kept in the corpus's order: the same documents on every process
         corpus = {doc_id: text for doc_id, text in corpus.items() if doc_id in relevant or doc_id in drawn}
-    part = f"{len(relevant)} relevant + {len(drawn)} drawn" if len(corpus) < whole else "all"
+    part = f"{len(relevant)} relevant + {len(drawn)} drawn" if drawn else "all"
     say(f"train.py: dev set: {len(kept)} queries against {len(corpus)} documents ({part} of {whole})")
     return InformationRetrievalEvaluator(
         queries={query_id: queries[query_id] for query_id in kept}, corpus=corpus,
