@@ -6,7 +6,7 @@ with your own data pipeline: train.py calls only these.
         a hub data set. Columns: anchor, positive (a text or a list), negative_1..., [positive_scores,
         negative_scores]. locate_data(source, flag) checks where a --data or --dev_data value points.
     load_beir(folder, split, say) -> (queries, corpus, relevant docs); build_evaluator(dev, num_queries,
-        prompts) -> the dev set's InformationRetrievalEvaluator.
+        prompts, corpus_size, seed, say) -> the dev set's InformationRetrievalEvaluator.
     make_loader(train_sets, BatchOrder, names) -> the training DataLoader; set_epoch orders each epoch. A
         batch: {column: texts}, teacher_scores with a teacher's, SOURCE_COLUMN with several sources.
     role_fields(columns, available) reads --columns; text_columns(names) the text columns, in order;
@@ -665,27 +665,27 @@ def load_beir(folder, split, say=print):
     return queries, corpus, {query_id: relevant[query_id] for query_id in queries}
 
 
-def build_evaluator(dev, num_queries, prompts=None):
-    """Retrieve each query's relevant documents among the whole corpus, scored by sentence-transformers, for
-    the first `num_queries` queries (0: all) of `dev`: pairs (pairs_retrieval) or load_beir's."""
+def build_evaluator(dev, num_queries, prompts=None, corpus_size=0, seed=42, say=print):
+    """Retrieve each query's relevant documents among the corpus, scored by sentence-transformers, for the
+    first `num_queries` queries (0: all) of `dev`: pairs (pairs_retrieval) or load_beir's. The corpus: all
+    of it, or with `corpus_size` N their relevant documents and N others drawn with `seed`."""
     queries, corpus, relevant_docs = dev if isinstance(dev, tuple) else pairs_retrieval(dev)
     kept, prompts = list(queries)[: num_queries or None], prompts or {}
+    relevant = set().union(*(relevant_docs[query_id] for query_id in kept)) & corpus.keys()
+    others, whole = [doc for doc in corpus if doc not in relevant] if corpus_size else [], len(corpus)
+    drawn = set(random.Random(seed).sample(others, corpus_size)) if 0 < corpus_size < len(others) else set()
+    if drawn:  # kept in the corpus's order: the same documents on every process
+        corpus = {doc_id: text for doc_id, text in corpus.items() if doc_id in relevant or doc_id in drawn}
+    part = f"{len(relevant)} relevant + {len(drawn)} drawn" if drawn else "all"
+    say(f"train.py: dev set: {len(kept)} queries against {len(corpus)} documents ({part} of {whole})")
     return InformationRetrievalEvaluator(
-        queries={query_id: queries[query_id] for query_id in kept},
-        corpus=corpus,
-        relevant_docs={query_id: relevant_docs[query_id] for query_id in kept},
-        mrr_at_k=[10],
-        ndcg_at_k=[10],
-        accuracy_at_k=[1, 10],
-        precision_recall_at_k=[1, 10],
-        map_at_k=[10],
-        batch_size=128,
-        name="dev",
+        queries={query_id: queries[query_id] for query_id in kept}, corpus=corpus,
+        relevant_docs={query_id: relevant_docs[query_id] for query_id in kept}, mrr_at_k=[10], ndcg_at_k=[10],
+        accuracy_at_k=[1, 10], precision_recall_at_k=[1, 10], map_at_k=[10], batch_size=128, name="dev",
         write_csv=False,
         # "" for none: given None, the evaluator falls back to the model's prompt, which training leaves out
-        query_prompt=prompts.get("query") or "",
-        corpus_prompt=prompts.get("document") or "",
-    )
+        query_prompt=prompts.get("query") or "", corpus_prompt=prompts.get("document") or "",
+    )  # fmt: skip
 
 
 def pairs_retrieval(dev):

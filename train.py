@@ -48,6 +48,8 @@ Feature map: flag -> the function where it acts -> the test that guards it (test
       -> test_bench::test_checkpointing_measured_as_train_py_applies_it
   --data, --columns, --dev_data, --dev_columns -> load_data (pairs.load_pairs, pairs.load_beir)
       -> test_data::test_every_data_form_reads_the_same_rows
+  --dev_queries, --dev_corpus_size -> pairs.build_evaluator, evaluate, split_between_processes
+      -> test_train::test_the_processes_share_the_dev_corpus_and_log_the_one_process_metrics
   --skip_bad_records, --max_text_chars -> pairs.load_pairs
       -> test_reliability::test_every_malformed_record_is_named_or_skipped
   --data_weights, --data_sampling -> make_loader (pairs.SourceMix)
@@ -123,6 +125,7 @@ import socket
 import sys
 import time
 import urllib.parse
+import warnings
 from pathlib import Path
 
 
@@ -163,6 +166,7 @@ import huggingface_hub
 import numpy
 import psutil
 import torch
+import yaml
 from accelerate import Accelerator, DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 from accelerate.utils import ProjectConfiguration, broadcast_object_list, send_to_device, set_seed
 from sentence_transformers import SentenceTransformer
@@ -175,6 +179,14 @@ from transformers import PreTrainedModel
 import gradcache
 import pairs
 
+# DeepSpeed 0.19's ZeRO-3 calls torch.distributed's all_gather_into_tensor and reduce_scatter_tensor, which
+# torch 2.13 deprecates: a FutureWarning at nearly every call (100 in an 8-step run), about DeepSpeed's code,
+# which works as it is. Only these two, raised where torch's wrapper calls them.
+warnings.filterwarnings(
+    "ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+    FutureWarning, r"torch\.distributed\.c10d_logger",
+)  # fmt: skip
+
 # What tests/, bench/ and data/ use; the rest may change.
 # fmt: off
 __all__ = [
@@ -182,7 +194,7 @@ __all__ = [
     "load_pairs", "make_loader", "load_model", "model_options", "prepare_model", "role_prompts",
     "training_module", "Towers", "is_router", "loss_function", "text_id", "positives_by_anchor", "load_guide",
     "gradient_cache_step", "false_negatives", "guide_representations", "tokenize", "optimizer_step",
-    "save_checkpoint", "set_peak_learning_rate", "step_with_back_off",
+    "save_checkpoint", "set_peak_learning_rate", "step_with_back_off", "evaluate",
 ]
 # fmt: on
 
@@ -286,7 +298,9 @@ def add_data_flags(add):
     add("--skip_bad_records", action="store_true", help="leave malformed records out (counted), not stop")
     add("--max_text_chars", type=int, default=20000, help="a longer text is a malformed record")
     add("--max_train_examples", type=int, help="a seeded subset; default 1024 bundled, all others")
-    add("--dev_queries", type=int, default=500, help="dev queries evaluated, 0 for all; the corpus is whole")
+    add("--dev_queries", type=int, default=500, help="dev queries evaluated, 0 for all")
+    add("--dev_corpus_size", type=int, default=0, help="the dev corpus: the evaluated queries' relevant "
+        "documents and N others drawn by --seed; 0: the whole corpus")
 
 
 def add_batch_flags(add):
@@ -468,6 +482,8 @@ def check_data_flags(args):
         if not source.distill_weight >= 0:
             parser.error(f"--distill_weight must be 0 (off) or more, got {source.distill_weight}.")
     role_fields(args.dev_columns, available=())
+    if args.dev_queries < 0 or args.dev_corpus_size < 0:
+        parser.error("--dev_queries and --dev_corpus_size count: give 0 (all) or more.")
     if args.cross_process_negatives and all(s.in_batch_negatives == "off" for s in source_settings(args)):
         parser.error(
             "--cross_process_negatives contrasts with other processes' candidates, but no --data source has "
@@ -572,7 +588,8 @@ def main(args):
     )
     sources = source_settings(args)  # each --data source's flags: its columns, prompts, loss
     prompts = [role_prompts(model, source.query_prompt, source.document_prompt) for source in sources]
-    evaluator = dev_data and args.eval_steps and pairs.build_evaluator(dev_data, args.dev_queries, prompts[0])
+    dev = (args.dev_queries, prompts[0], args.dev_corpus_size, args.seed, accelerator.print)
+    evaluator = dev_data and args.eval_steps and pairs.build_evaluator(dev_data, *dev)
     engine, optimizer, loader, scheduler, derived = prepare_training(
         args, accelerator, model, train_sets, skipped_records
     )
@@ -1244,13 +1261,26 @@ def start_tracking(accelerator, args, settings, resumed_state):
     wandb_kwargs |= {"id": (resumed_state or {}).get("wandb_run_id"), "resume": "allow"}
     first_step = resumed_state["global_step"] + 1 if resumed_state else 0
     init_kwargs = {"wandb": wandb_kwargs, "tensorboard": {"purge_step": first_step}}
-    accelerator.init_trackers(args.wandb_project, config, init_kwargs=init_kwargs)
+    accelerator.init_trackers(args.wandb_project, init_kwargs=init_kwargs)  # config: store_configuration
+    store_configuration(accelerator, config)
     run_id = None
     if accelerator.is_main_process and args.wandb_mode != "disabled":
         run = accelerator.get_tracker("wandb", unwrap=True)
         run.define_metric("*", step_metric="train/global_step")  # wandb drops a step below its own counter
         run_id = run.id
     return broadcast_object_list([run_id])[0]  # every machine's copy of a checkpoint names it
+
+
+def store_configuration(accelerator, config):
+    """`config` to each tracker; TensorBoard's hparams and hparams.yml in one subfolder of this launch's
+    (accelerate's tracker writes hparams.yml into a subfolder beside the one torch's add_hparams makes)."""
+    for tracker in accelerator.trackers:
+        if tracker.name != "tensorboard":
+            tracker.store_init_configuration(config)
+        elif accelerator.is_main_process:
+            folder = str(time.time())  # add_hparams's own default name: one subfolder per launch
+            tracker.writer.add_hparams(config, metric_dict={}, run_name=folder)
+            Path(tracker.logging_dir, folder, "hparams.yml").write_text(yaml.safe_dump(config))
 
 
 def wandb_mode(args):
@@ -1655,20 +1685,43 @@ def optimizer_step(accelerator, engine, optimizer, scheduler, args, progress, st
 
 
 def evaluate(evaluator, model, accelerator, global_step):
-    """Score the dev split, log it and, after training started, print it.
+    """Score the dev split, log it (with its time, eval/seconds) and, after training started, print it.
 
-    Every process evaluates: under ZeRO-3 the forward passes gather parameters collectively. The whole model
-    is gathered here, not inside sentence-transformers' inference_mode: the parameters first gathered there
-    (the small, persistent ones) would stay inference tensors, which training cannot back-propagate through.
+    The processes share the encoding (split_between_processes); under ZeRO-3 their forward passes gather
+    parameters collectively. The whole model is gathered here, not inside sentence-transformers'
+    inference_mode: the parameters first gathered there (the small, persistent ones) would stay inference
+    tensors, which training cannot back-propagate through.
     """
-    with gathered_parameters(model):
+    started = time.perf_counter()
+    with gathered_parameters(model), split_between_processes(evaluator, accelerator):
         metrics = evaluator(model)  # encode switches to eval mode
     model.train()
     metrics = {f"eval/{name}": value for name, value in metrics.items()}
+    metrics["eval/seconds"] = time.perf_counter() - started
     accelerator.log(metrics | {"train/global_step": global_step}, step=global_step)
     if global_step:
         accelerator.print(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return metrics
+
+
+@contextlib.contextmanager
+def split_between_processes(evaluator, accelerator):
+    """sentence-transformers' evaluator, its texts (the queries, each chunk of the corpus) encoded once: each
+    process encodes an equal share (the last padded with repeats: under ZeRO-3 every process must run as
+    many forward passes), the embeddings gathered in order, the metrics its own. One process: unchanged."""
+    embed_inputs = evaluator.embed_inputs
+
+    def embed_share(model, texts, **kwargs):
+        share = -(-len(texts) // accelerator.num_processes)
+        mine = list(texts[accelerator.process_index * share :][:share])
+        mine += texts[: share - len(mine)]  # the repeats: dropped after the gather
+        return accelerator.gather(embed_inputs(model, mine, **kwargs))[: len(texts)]
+
+    evaluator.embed_inputs = embed_share if accelerator.num_processes > 1 else embed_inputs
+    try:
+        yield
+    finally:
+        del evaluator.embed_inputs  # the class's again
 
 
 @dataclasses.dataclass

@@ -380,3 +380,17 @@ def test_dtype_memory_halves_the_base_and_keeps_the_adapter_in_float32():
     assert (float32["dtype"], bfloat16["dtype"]) == ("float32", "bfloat16")
     assert bfloat16["base_bytes"] * 2 == float32["base_bytes"]
     assert bfloat16["adapter_bytes"] == float32["adapter_bytes"] and bfloat16["adapter_dtypes"] == ["float32"]
+
+
+def test_eval_time_times_the_shared_evaluation_with_the_same_metrics(tmp_path, data, model_without_dropout):
+    """bench/eval_time.py on two DDP processes: the evaluation shared between them and every process
+    evaluating alone, timed, with their metrics' largest difference."""
+    from test_train import CONFIGS, launch
+
+    done = launch(
+        CONFIGS / "cpu_ddp_2proc.yaml", tmp_path, "--model", model_without_dropout, "--dev_data", data[1],
+        processes=2, env={"ACCELERATE_USE_CPU": "true"}, script=ROOT / "bench" / "eval_time.py",
+    )  # fmt: skip
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("2 process(es), 8 queries")]
+    assert re.search(r"all \d+\.\d s, a share each \d+\.\d s; metrics differ by", line)
+    assert float(line.rsplit(" ", 1)[1]) < 1e-6

@@ -170,6 +170,8 @@ def test_a_beir_dev_folder_is_evaluated_against_its_whole_corpus(
     assert evaluator.relevant_docs == {"q0": {"d1", "d4"}, "q1": {"d2"}}
     assert 0 <= evaluator(SentenceTransformer(str(model_without_dropout)))["dev_cosine_ndcg@10"] <= 1
     assert len(build_evaluator(dev, num_queries=1).queries) == 1  # --dev_queries 1
+    drawn = build_evaluator(dev, num_queries=1, corpus_size=1, say=len).corpus_ids  # --dev_corpus_size 1
+    assert {"d1", "d4"} < set(drawn) and len(drawn) == 3  # q0's relevant documents and one other
 
     fails_with(
         capsys,

@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 import yaml
@@ -236,7 +237,11 @@ def test_end_to_end_run_logs_saves_and_resumes_exactly(
         "train/padding_efficiency",
     ):  # fractions (texts of one length here)
         assert all(0 <= value <= 1 for _, value in logged[tag]), tag
-    (config,) = (tmp_path / "straight" / "tensorboard" / "gradcache").glob("*/hparams.yml")
+    tensorboard = tmp_path / "straight" / "tensorboard" / "gradcache"
+    (config,) = tensorboard.glob("*/hparams.yml")
+    # One subfolder for the launch's hparams: torch's add_hparams events beside accelerate's hparams.yml
+    assert [path for path in tensorboard.iterdir() if path.is_dir()] == [config.parent]
+    assert list(config.parent.glob("events.out.tfevents.*"))
     config = yaml.safe_load(config.read_text())  # the values the run used, not the flags' None
     assert (config["similarity"], config["max_seq_length"], config["chunk_size"]) == ("cos", 32, 3)
     assert max(value for _, value in logged["train/learning_rate"]) == pytest.approx(1e-3)
@@ -534,7 +539,8 @@ def test_deepspeed_reproduces_the_plain_run(
     also resumes bit for bit, under AdamW (train.py's optimizer, whose state the checkpoint must restore).
     ZeRO-3 runs with every parameter partitioned (zero3_partitioning_everything: the shipped config keeps
     a tiny model's parameters whole), split over the two processes, and final/ holds them whole, under the
-    plain run's names: this case was a launch of its own, merged here (suite time)."""
+    plain run's names, without torch's FutureWarnings: these were launches of their own, merged here (suite
+    time)."""
     common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS)
     resume_too = (config, processes) == ("deepspeed_zero2.yaml", 2)  # and resume from step 2, bit for bit
     partitioned = config == "deepspeed_zero3.yaml"
@@ -554,6 +560,8 @@ def test_deepspeed_reproduces_the_plain_run(
     print(f"{name}: updates {measured}; x (1 + 1e-3): {control.error:.1e}")
     assert max_difference(saved, engine_weights(run / "checkpoints" / "step_3")) == 0
     if partitioned:
+        # torch's FutureWarning at DeepSpeed's ZeRO-3 collectives, filtered by train.py (100 lines in 8 steps)
+        assert "FutureWarning: `torch.distributed." not in done.stderr
         shards = sorted((run / "checkpoints" / "step_3" / "pytorch_model").glob("*optim_states.pt"))
         assert len(shards) == 2
         # The file itself, as a tool reading it by name sees it: the names of the plain run (not gamma/beta),
@@ -571,6 +579,11 @@ def test_deepspeed_reproduces_the_plain_run(
         measured = assert_exact(values, float32[key], truth[key], f"{name}, {tag}")
         wrong = assert_inexact([v * (1 + 1e-3) for v in values], float32[key], truth[key], f"{tag} x 1.001")
         print(f"{name}: {tag} {measured}; x (1 + 1e-3): {wrong.error:.1e}")
+    if partitioned:  # its evaluation before training, the texts split between the processes: one process's
+        plain = logged_scalars(reference_runs[1])
+        tags = [tag for tag in plain if tag.startswith("eval/dev_")]
+        assert len(tags) == 9  # accuracy, precision and recall @1 and @10, MRR, NDCG and MAP @10
+        assert all(logged[t][0] == (0, pytest.approx(plain[t][0][1], abs=1e-6)) for t in tags)
     if resume_too:  # AdamW, train.py's own: two runs of the same code, equal bit for bit
         straight, step_2 = tmp_path / "straight", tmp_path / "straight" / "checkpoints" / "step_2"
         launch_deepspeed(config, straight, *common, "--save_steps", 2, processes=2)
@@ -1065,3 +1078,72 @@ def test_evaluator_retrieves_each_query_positive_among_distinct_positives():
     assert evaluator.queries == ["q0", "q1"]
     assert sorted(evaluator.corpus) == ["p", "r"]
     assert evaluator.relevant_docs == {"q0": {"d0"}, "q1": {"d0"}}
+
+
+def test_dev_corpus_size_keeps_the_relevant_documents_and_seeded_others():
+    """--dev_corpus_size N: the evaluated queries' relevant documents and N others drawn by --seed, in the
+    corpus's order; the start line says how many of the corpus's."""
+    dev = {"anchor": [f"q{i}" for i in range(40)], "positive": [f"p{i}" for i in range(40)]}
+    lines = []
+    evaluator = pairs.build_evaluator(dev, 5, corpus_size=10, seed=1, say=lines.append)
+    assert lines == ["train.py: dev set: 5 queries against 15 documents (5 relevant + 10 drawn of 40)"]
+    assert {"p0", "p1", "p2", "p3", "p4"} <= set(evaluator.corpus) and len(evaluator.corpus) == 15
+    assert evaluator.corpus_ids == sorted(evaluator.corpus_ids, key=lambda doc_id: int(doc_id[1:]))
+    again, other_seed = (pairs.build_evaluator(dev, 5, corpus_size=10, seed=s, say=len) for s in (1, 2))
+    assert again.corpus_ids == evaluator.corpus_ids != other_seed.corpus_ids
+    for whole in (0, 35, 100):  # 0, or as many others as there are: the whole corpus
+        assert len(pairs.build_evaluator(dev, 5, corpus_size=whole, say=lines.append).corpus) == 40
+    assert lines[-1] == "train.py: dev set: 5 queries against 40 documents (all of 40)"
+
+
+COUNTING_SITECUSTOMIZE = """import os
+
+if "RANK" in os.environ:  # written by tests/test_train.py: the launched processes, not the launcher
+    from sentence_transformers import SentenceTransformer
+
+    def counting(name, encode):
+        def counted(self, inputs, *args, **kwargs):
+            with open(os.path.join({folder!r}, os.environ["RANK"]), "a") as counts:
+                counts.write(f"{{name}}:{{len(inputs)}}\\n")
+            return encode(self, inputs, *args, **kwargs)
+
+        return counted
+
+    for name in ("encode_query", "encode_document"):
+        setattr(SentenceTransformer, name, counting(name, getattr(SentenceTransformer, name)))
+"""
+
+
+def test_the_processes_share_the_dev_corpus_and_log_the_one_process_metrics(
+    tmp_path, data, model_without_dropout, monkeypatch
+):
+    """The dev queries and corpus are encoded once per evaluation, half of them on each of two processes, and
+    gathered: the metrics logged are the one-process ones (float tolerance: other batches), and one process
+    logs exactly what sentence-transformers' evaluator gives. The evaluation's time per process count is
+    printed (bench/eval_time.py times the default model and dev set)."""
+    from sentence_transformers import SentenceTransformer
+
+    rng = random.Random(1)
+    words = [rng.sample(WORDS, 2) for _ in range(55)]
+    rows = [{"anchor": f"{a} a{i}", "positive": f"{p} p{i}"} for i, (a, p) in enumerate(words)]
+    dev = write_rows(tmp_path / "dev.jsonl", rows)  # 55 texts: 28, and 27 + 1 repeat, on two processes
+    common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", dev, "--max_steps", 1)
+    common += ("--batch_size", 8, "--save_steps", 0, "--wandb_mode", "disabled")
+    counts = tmp_path / "counts"
+    site = tmp_path / "site"
+    counts.mkdir(), site.mkdir()
+    (site / "sitecustomize.py").write_text(COUNTING_SITECUSTOMIZE.format(folder=str(counts)))
+    environment = {"ACCELERATE_USE_CPU": "true", "PYTHONPATH": str(site)}
+    launch(CONFIGS / "cpu_ddp_2proc.yaml", tmp_path / "two", *common, processes=2, env=environment)
+    shares = ["encode_query:28", "encode_document:28"] * 2  # 55 queries, 55 documents; 2 evaluations
+    assert {rank: (counts / rank).read_text().split() for rank in "01"} == {rank: shares for rank in "01"}
+    run_main(monkeypatch, *common, "--output_dir", tmp_path / "one")
+
+    evaluator = pairs.build_evaluator(pairs.load_pairs(str(dev))[0], 500, say=len)
+    expected = evaluator(SentenceTransformer(str(model_without_dropout), device="cpu"))
+    one, two = (logged_scalars(tmp_path / name) for name in ("one", "two"))
+    for name, value in expected.items():  # step 0: before training, the same model
+        assert one[f"eval/{name}"][0] == (0, float(numpy.float32(value))), name  # TensorBoard's float32
+        assert two[f"eval/{name}"][0] == (0, pytest.approx(value, abs=1e-6)), name
+    for processes, logged in ((1, one), (2, two)):
+        print(f"evaluation, {processes} process(es): {logged['eval/seconds'][0][1]:.2f} s")
