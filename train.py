@@ -312,6 +312,8 @@ def add_batch_flags(add):
     add("--gradient_accumulation_steps", type=int, default=1, help="batches per optimizer step")
     add("--auto_chunk_size", action="store_true", help="on out-of-memory, halve the chunk and redo the step")
     add("--cross_process_negatives", action="store_true", help="contrast with the batches of all processes")
+    add("--graph_budget", default="none", help="stage-1 graphs kept, not encoded twice: none (the last "
+        "group's), N MiB, or auto (GPU: the headroom the last step left; CPU: a quarter of the free RAM)")
 
 
 def add_loss_flags(add):
@@ -419,6 +421,8 @@ def fill_defaults(args):
 
 def check_batch_flags(args):
     """The batch, its chunks, the counts and the optimizer's limits."""
+    if args.graph_budget not in ("none", "auto") and not re.fullmatch(r"\d+(\.\d*)?", args.graph_budget):
+        parser.error(f"--graph_budget {args.graph_budget}: give none, auto or a size in MiB, e.g. 2048.")
     if args.chunk_size is not None and args.chunk_tokens is not None:
         parser.error(
             "--chunk_size and --chunk_tokens both given: a chunk is counted in examples or in padded tokens. "
@@ -580,12 +584,8 @@ def main(args):
     check_sources(args)  # a misspelled --data, --dev_data or --model stops here, before anything is loaded
     set_seed(args.seed)
     train_sets, dev_data, skipped_records = load_data(args, accelerator)  # one per --data source
-    model = prepare_model(  # after the Accelerator: under ZeRO-3 the model loads partitioned
-        load_model(
-            args.model, str(accelerator.device), args.pooling, accelerator.print, **model_options(args)
-        ),
-        args,
-    )
+    device, say = str(accelerator.device), accelerator.print  # after the Accelerator: ZeRO-3 partitions it
+    model = prepare_model(load_model(args.model, device, args.pooling, say, **model_options(args)), args)
     sources = source_settings(args)  # each --data source's flags: its columns, prompts, loss
     prompts = [role_prompts(model, source.query_prompt, source.document_prompt) for source in sources]
     dev = (args.dev_queries, prompts[0], args.dev_corpus_size, args.seed, accelerator.print)
@@ -596,16 +596,16 @@ def main(args):
     total_steps = derived["total_steps"]
     stats = {}  # each batch's numbers for the logs: tokens from the step, accuracy and masks from the loss
     preemption = Preemption(accelerator)  # SIGTERM, Ctrl-C: the step stops at its next group of chunks
-    steps = source_steps(args, accelerator, engine, model, prompts, train_sets, stats, preemption.agreed)
+    budget = GraphBudget(args.graph_budget, accelerator)  # the stage-1 graphs kept: compute saved
+    steps = source_steps(args, accelerator, engine, model, prompts, train_sets, stats, preemption, budget)
     streak = Streak.of(accelerator, engine, last_checkpoint=resume[0] if resume else None)
     progress = resume_training(accelerator, *resume, args, scheduler, total_steps) if resume else Progress()
     settings = resolved_settings(args, model, prompts) | derived  # the flags as the run uses them
     wandb_run_id = start_tracking(accelerator, args, settings, resume[1] if resume else None)
 
     # --- The loop: an optimizer step every --gradient_accumulation_steps batches ---
-    first_eval = last_eval = None
-    if evaluator and progress.global_step == 0:
-        first_eval = last_eval = evaluate(evaluator, model, accelerator, global_step=0)
+    at_start = evaluator and progress.global_step == 0  # before training, not on resume
+    first_eval = last_eval = evaluate(evaluator, model, accelerator, global_step=0) if at_start else None
     engine.train()
     window, masks_warned = LogWindow(), False
     chunking = {"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {"chunk_size": args.chunk_size}
@@ -617,7 +617,7 @@ def main(args):
             source = int(batch[pairs.SOURCE_COLUMN][0]) if pairs.SOURCE_COLUMN in batch else 0  # SourceMix's
             with accelerator.accumulate(engine):  # sync_gradients: the last batch of an accumulation window
                 report, chunking = step_with_back_off(
-                    steps[source], batch, chunking, args, accelerator, optimizer
+                    steps[source], batch, chunking, args, accelerator, optimizer, budget
                 )
             if report is None:  # a signal stopped the step: the run is saved as it stood at the step's start
                 preemption.rewind(progress)
@@ -713,17 +713,20 @@ def make_accelerator(args):
             "with DeepSpeed ZeRO-3 instead: accelerate_configs/deepspeed_zero3.yaml."
         )
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        # Before 1.8 accelerate's DeepSpeedEngineWrapper.backward stepped the engine at every backward.
-        check_versions(
-            {"accelerate": "1.8"}, " under DeepSpeed (older ones step the optimizer at every chunk)"
-        )
-        if args.gradient_accumulation_steps > 1:
-            fail(
-                "--gradient_accumulation_steps > 1 under DeepSpeed: a skipped batch could not take back the "
-                "earlier batches of its window, which ZeRO holds in its own buffers. Raise --batch_size "
-                "instead: with Gradient Cache a bigger batch costs no more memory."
-            )
+        check_deepspeed(args)
     return accelerator
+
+
+def check_deepspeed(args):
+    """What DeepSpeed cannot run as this script means it: an accelerate too old, gradient accumulation."""
+    # Before 1.8 accelerate's DeepSpeedEngineWrapper.backward stepped the engine at every backward.
+    check_versions({"accelerate": "1.8"}, " under DeepSpeed (older ones step the optimizer at every chunk)")
+    if args.gradient_accumulation_steps > 1:
+        fail(
+            "--gradient_accumulation_steps > 1 under DeepSpeed: a skipped batch could not take back the "
+            "earlier batches of its window, which ZeRO holds in its own buffers. Raise --batch_size "
+            "instead: with Gradient Cache a bigger batch costs no more memory."
+        )
 
 
 def claim_output_dir(args, accelerator):
@@ -1313,6 +1316,45 @@ class Progress:
     nonfinite_steps: int = 0
 
 
+class GraphBudget:
+    """--graph_budget: the bytes of stage-1 graphs a step keeps (gradcache_step's graph_budget), those groups
+    not encoded twice. none: the last group's only, as Gradient Cache was published; 0: none; N (MiB); auto:
+    on a GPU, after each step, the graphs it kept plus the headroom its peak left under 90% of the memory
+    (the first step: none); on a CPU a quarter of the RAM available at the start (Linux kills a process that
+    takes more; there is no out-of-memory error to back off from)."""
+
+    def __init__(self, spec, accelerator):
+        self.spec, self.accelerator, self.said = spec, accelerator, False
+        self.cuda = accelerator.device.type == "cuda"
+        if spec in ("none", "auto"):
+            cpu_auto = spec == "auto" and not self.cuda
+            self.bytes = psutil.virtual_memory().available / 4 if cpu_auto else None
+        else:
+            self.bytes = float(spec) * 2**20
+
+    def after_step(self, report):
+        """Says once what the first step kept; under auto on a GPU, the next step's budget."""
+        if not self.said:
+            budget = "the last group" if self.bytes is None else f"{self.bytes / 2**20:.0f} MiB"
+            self.accelerator.print(
+                f"train.py: --graph_budget {self.spec} ({budget}): the first step kept {report.kept_groups} "
+                f"groups' graphs, re-encoded {report.num_reencoded} of its {report.num_chunks} chunks"
+            )
+            self.said = True
+        if self.spec == "auto" and self.cuda:
+            device = self.accelerator.device
+            headroom = 0.9 * torch.cuda.get_device_properties(device).total_memory
+            headroom -= torch.cuda.max_memory_allocated(device)  # since the last log's reset: the worst
+            self.bytes = max(0.0, report.kept_bytes + headroom)
+
+    def lower(self):
+        """After an out-of-memory error: half the budget (at 1 MiB, none), True; False if it keeps none."""
+        if not self.bytes:
+            return False
+        self.bytes = self.bytes / 2 if self.bytes > 2**21 else 0.0
+        return True
+
+
 class Preemption:
     """SIGTERM (a cluster's notice before SIGKILL, which a launcher forwards to every worker) and Ctrl-C:
     the handler only records the signal. The processes agree (`agreed`) at every group of chunks, so the
@@ -1356,10 +1398,10 @@ class Preemption:
 # ---- (false-negative masks, the guide's representations, the teacher's scores)
 
 
-def source_steps(args, accelerator, engine, model, prompts, train_sets, stats, interrupt):
+def source_steps(args, accelerator, engine, model, prompts, train_sets, stats, preemption, budget):
     """The step of each --data source's batches (gradient_cache_step): its prompts, its loss, its flags, and
-    what every step shares: `stats` for the logs, the anchors' known positives, the guide model and
-    `interrupt`, which stops a step at its next group of chunks."""
+    what every step shares: `stats` for the logs, the anchors' known positives, the guide model, the
+    preemption that stops a step at its next group of chunks, and the graph budget."""
     # An anchor's other positives in the data are no negatives of it (--mask_repeated_texts).
     known_positives = positives_by_anchor(*train_sets) if args.mask_repeated_texts == "on" else None
     guide = load_guide(args, accelerator)  # --guide_model: its scores mask false negatives
@@ -1375,7 +1417,8 @@ def source_steps(args, accelerator, engine, model, prompts, train_sets, stats, i
             stats=stats,
             known_positives=known_positives,
             guide=guide,
-            interrupt=interrupt,
+            interrupt=preemption.agreed,
+            graph_budget=budget,
         )
         for source, source_prompts in zip(source_settings(args), prompts, strict=True)
     ]
@@ -1442,7 +1485,7 @@ def load_guide(args, accelerator):
 
 def gradient_cache_step(
     accelerator, engine, model, prompts, loss_fn, args, batch, chunking, stats=None, known_positives=None,
-    guide=None, interrupt=None,
+    guide=None, interrupt=None, graph_budget=None,
 ):  # fmt: skip
     """Gradient Cache on one batch ({column: texts}): accumulates its gradients, returns gradcache's report.
 
@@ -1493,12 +1536,16 @@ def gradient_cache_step(
         encode_group=engine if towers else None,
         interrupt=interrupt,
         **({"cross_process_negatives": args.cross_process_negatives} if in_batch else {}),
+        **({"graph_budget": graph_budget.bytes} if in_batch and graph_budget else {}),
     )
+    if in_batch and graph_budget:
+        graph_budget.after_step(report)
     if stats is not None:
         stats.clear()
         stats.update(batch_stats)
         stats["tokens"] = int(sum(column.sum() for column in lengths))
         stats["padding_efficiency"] = chunk_tokens[0] / chunk_tokens[1]
+        stats["kept_groups"] = report.kept_groups
     return report
 
 
@@ -1740,7 +1787,7 @@ class LogWindow:
         """One batch: its loss, and its `stats` from the step and the loss (in-batch accuracy only where
         there are in-batch negatives, the masked fraction only with masks)."""
         self.loss, self.batches, self.seconds = self.loss + loss, self.batches + 1, self.seconds + seconds
-        for name in ("accuracy", "padding_efficiency", "masked_fraction"):
+        for name in ("accuracy", "padding_efficiency", "masked_fraction", "kept_groups"):
             if name in stats:
                 self.means[name] = self.means.get(name, 0.0) + stats[name]
         self.tokens += stats["tokens"]
@@ -1772,6 +1819,7 @@ def log_training(accelerator, engine, progress, window, derived, batches_per_epo
     names = {
         "accuracy": "train/in_batch_accuracy",  # anchors whose positive scores highest
         "padding_efficiency": "train/padding_efficiency",  # real tokens / padded tokens of the chunks
+        "kept_groups": "train/kept_groups",  # groups back-propagated from their stage-1 graphs
         "masked_fraction": "train/masked_fraction",  # candidates the false-negative masks took out
     }
     means = {  # per batch; each process's batch counts alike
@@ -2049,7 +2097,7 @@ def gathered_parameters(model):
 # ---- --auto_chunk_size is halved and the batch redone
 
 
-def step_with_back_off(step, batch, chunking, args, accelerator, optimizer):
+def step_with_back_off(step, batch, chunking, args, accelerator, optimizer, budget=None):
     """(report, chunking): step(batch, chunking), redone with half the chunk after an out-of-memory error if
     --auto_chunk_size; otherwise the run stops, saying what to launch with. No report: a signal stopped it."""
     while True:
@@ -2058,7 +2106,11 @@ def step_with_back_off(step, batch, chunking, args, accelerator, optimizer):
         except gradcache.StepInterrupted:  # by a signal, on every process at the same group of chunks
             return None, chunking
         except gradcache.ChunkOutOfMemory as error:  # raised by every process together, when agreed
-            chunking = smaller_chunk(error, chunking, args, accelerator)
+            deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED  # a redo would count twice
+            if error.agreed and not deepspeed and budget is not None and budget.lower():
+                accelerator.print("out of memory keeping graphs: redoing the batch, --graph_budget lowered")
+            else:
+                chunking = smaller_chunk(error, chunking, args, accelerator)
         # The error, and the step it pinned, are gone: release the memory before the redo.
         optimizer.zero_grad()
         if accelerator.device.type == "cuda":
