@@ -25,7 +25,9 @@ SECTIONS = {
     "scale": "5. How far the batch goes: full steps to 65,536, the loss stage alone, its masks, the guide, "
     "no in-batch negatives",
     "checkpointing": "6. Gradient checkpointing inside the chunks: memory saved, time paid",
+    "budget": "7. Budgeted Gradient Cache: the stage-1 graphs kept against the no-cache lower bound",
 }
+BUDGET_ALL_TARGET, BUDGET_LINEAR_POINTS = 1.05, 0.05  # every graph kept: the lower bound's compute
 DEVICES = {"cpu": "", "gpu": " --device cuda --preset gpu", "smoke": " --preset smoke"}
 MEMORY_TARGET, ST_TARGET, PLAIN_TARGET, TILED_TIME_TARGET = 1.15, 0.7, 1.25, 1.3
 ST_TARGET_MIN_BATCH, TILED_TIME_MAX_BATCH, FULL_STEP_BATCH = 256, 4096, 65536
@@ -465,6 +467,31 @@ def checkpointing_claim(saved):
     return [row], []
 
 
+def budget_targets(saved):
+    """graph_budget: every group kept within 5% of the lower bound, and the step's ratio falling with the
+    share of groups kept, in proportion (within 5 points of the line from none kept to all kept)."""
+    rows, reasons = [], []
+    by_batch = {}
+    for batch, name, kept, _, ratio, peak in saved["rows"]:
+        if name.startswith("kept "):
+            shown = kept.split(" of ")
+            by_batch.setdefault(batch, []).append((int(shown[0]) / int(shown[1]), float(ratio[:-1]), peak))
+    for batch, points in sorted(by_batch.items()):
+        points.sort()
+        (none_share, none_ratio, _), (all_share, all_ratio, _) = points[0], points[-1]
+        off = [abs(r - (none_ratio + (s - none_share) / (all_share - none_share) * (all_ratio - none_ratio)))
+               for s, r, _ in points]  # fmt: skip
+        shown = ", ".join(f"{s:.0%} kept {r:.2f}x" for s, r, _ in points)
+        rows.append([f"batch {batch}: every group kept, at most {BUDGET_ALL_TARGET}x the lower bound",
+                     f"{all_ratio:.2f}x", verdict(all_ratio, BUDGET_ALL_TARGET)])  # fmt: skip
+        proportion = f"batch {batch}: the ratio falls in proportion to the share kept (within 5 points)"
+        rows.append([proportion, shown, verdict(max(off), BUDGET_LINEAR_POINTS)])
+        if all_ratio > BUDGET_ALL_TARGET:
+            reasons.append(f"batch {batch}: keeping every graph costs {all_ratio:.2f}x the lower bound (a "
+                           "shared CPU: the lower bound itself varies from round to round)")  # fmt: skip
+    return rows, reasons
+
+
 def model_name(point):
     layers = point.get("num_layers")
     return "full model" if layers is None else f"model cut to its first {layers} layer(s)"
@@ -524,6 +551,7 @@ def main(argv=None):
         "quality": quality_claim,
         "scale": scale_targets,
         "checkpointing": checkpointing_claim,
+        "budget": budget_targets,
     }
     target_rows, why = [], []
     for name, check in checks.items():

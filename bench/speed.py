@@ -34,12 +34,15 @@ all-MiniLM-L6-v2 on CPU: --sweep_layers 0 for all six).
 Writes bench/results/speed_<preset>.{json,md,png}.
 """
 
+import json
 import math
 import os
+import shlex
 import statistics
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import harness
 import matplotlib
@@ -542,6 +545,19 @@ def budget_sweep(device="cpu", batch_sizes=(256, 1024), chunk_size=32, rounds=1,
     return rows
 
 
+def save_budget_sweep(rows, info, args):
+    """budget_<preset>.json and .md in --out_dir: the sweep's rows and their run (bench/make_results.py)."""
+    preset = "gpu" if args.device.startswith("cuda") else "cpu"
+    header = ["batch", "budget (of all graphs)", "groups kept", "seconds", "/ lower bound", "peak MiB"]
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"budget_{preset}.json").write_text(
+        json.dumps({"provenance": info, "header": header, "rows": rows})
+    )
+    table = harness.markdown_table(header, rows)
+    (out / f"budget_{preset}.md").write_text(harness.provenance_markdown(info) + "\n\n" + table + "\n")
+
+
 def main(argv=None):
     args = parser.parse_known_args(argv)[0]
     if args.budget_sweep:
@@ -549,7 +565,12 @@ def main(argv=None):
             os.execve(sys.executable, [sys.executable, *sys.argv], os.environ | harness.MALLOC_ENV)
         batch_sizes = args.batch_sizes or [256, 1024]
         rounds, warmup = args.rounds or 1, 1 if args.warmup is None else args.warmup
-        budget_sweep(args.device, batch_sizes, args.chunk_size or 32, rounds, warmup, args.sweep_layers)
+        command = shlex.join(["python", "bench/speed.py", *(sys.argv[1:] if argv is None else argv)])
+        info = harness.provenance(args.device, command, args.allow_dirty)  # before: a clean tree or refused
+        rows = budget_sweep(
+            args.device, batch_sizes, args.chunk_size or 32, rounds, warmup, args.sweep_layers
+        )
+        save_budget_sweep(rows, info, args)
         return
     harness.run_benchmark("speed", parser, PRESETS, measure, table, plot, "step time relative to ours", argv)
 

@@ -52,6 +52,7 @@ class Row:
     negatives: str  # "in-batch", "group" (--in_batch_negatives off)
     extra: str  # "none", "masked" (repeated texts, a margin and a guide model), "distilled" (teacher scores)
     sources: int  # 1, or 2: steps from the row's source and SECOND_SOURCE in turn (several --data)
+    budget: str = "none"  # --graph_budget: "none" (the last group only), "some" (half the last step's), "all"
 
     @property
     def name(self):
@@ -67,6 +68,7 @@ class Row:
             self.negatives,
             self.extra,
             f"{self.sources}src",
+            f"budget-{self.budget}",
         )
         return "-".join(parts)
 
@@ -83,6 +85,7 @@ def flags(row, model_folder, guide_folder=None):
         row.adapter
     ]
     chosen += ["--cross_process_negatives"] if row.cross else []
+    chosen += ["--graph_budget", "none" if row.budget == "none" else 10**6]  # "some": halved after a step
     # The per-source flags: one value per source where the sources differ, the second source's last.
     if row.sources == 2:
         chosen += ["--query_prompt", "", SECOND_SOURCE["query_prompt"]]
@@ -227,8 +230,9 @@ def run_row(row, model_folder, out_dir, guide_folder):
     engine, optimizer = accelerator.prepare(trained, optimizer)
     engine.train()
     chunking = {"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {"chunk_size": args.chunk_size}
+    budget = train.GraphBudget(args.graph_budget, accelerator)
     loss_fns = [train.loss_function(source, model) for source in sources]
-    losses, chunks, masked = [], [], []
+    losses, chunks, masked, kept = [], [], [], []
     for step, batch in enumerate(global_batches(row)):
         source = source_of_step(row, step)
         positives = positives_in_data(batch)  # what train.py's positives_by_anchor reads from the data
@@ -248,11 +252,15 @@ def run_row(row, model_folder, out_dir, guide_folder):
             stats=stats,
             known_positives=known,
             guide=guide,
+            graph_budget=budget,
         )
         optimizer.step()  # a no-op under DeepSpeed, which stepped inside the last accelerator.backward
         optimizer.zero_grad()
         losses.append(report.loss.item())
         chunks.append(report.num_chunks)
+        kept.append((report.kept_groups, report.num_reencoded))
+        if row.budget == "some" and report.kept_bytes:  # half of what this step kept: some groups, not all
+            budget.bytes = report.kept_bytes / 2
         masked.append(stats["masked_fraction"])
     if row.backend.startswith("zero"):
         from deepspeed.utils import safe_get_full_fp32_param
@@ -262,7 +270,7 @@ def run_row(row, model_folder, out_dir, guide_folder):
         weights = {n: safe_get_full_fp32_param(p).cpu().clone() for n, p in named if p.requires_grad}
     else:
         weights = trainable_weights(model.named_parameters())
-    result = {"losses": losses, "chunks": chunks, "weights": weights, "masked": masked}
+    result = {"losses": losses, "chunks": chunks, "weights": weights, "masked": masked, "kept": kept}
     save_atomically(result, Path(out_dir) / f"{row.name}.rank{accelerator.process_index}.pt")
     reset_accelerate_state()
 

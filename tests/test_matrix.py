@@ -74,37 +74,38 @@ DIMENSIONS = {
     "negatives": ("in-batch", "group"),
     "extra": ("none", "masked", "distilled"),
     "sources": (1, 2),
+    "budget": ("none", "some", "all"),
 }
 
 # fmt: off
 ROWS = [Row(*fields) for fields in [
-    # backend  procs chunking  model      loss          adapter          cross  negatives   extra        src
+    # backend, processes, chunking, model, loss, adapter, cross, negatives, extra, sources, graph budget
     # issue 15's defects as found, through gradcache_step
-    ("zero2", 2,    "tokens", "shared",  "one-way",    "none",          False, "in-batch", "none",      1),
-    ("zero3", 2,    "tokens", "towers",  "one-way",    "none",          False, "in-batch", "none",      1),
-    ("zero3", 1,    "tokens", "towers",  "one-way",    "none",          False, "in-batch", "none",      1),
+    ("zero2", 2, "tokens", "shared",  "one-way",    "none", False, "in-batch", "none", 1, "all"),
+    ("zero3", 2, "tokens", "towers",  "one-way",    "none", False, "in-batch", "none", 1, "none"),
+    ("zero3", 1, "tokens", "towers",  "one-way",    "none", False, "in-batch", "none", 1, "none"),
     # the same without in-batch negatives (group_step), and the rest of the covering
-    ("zero2", 2,    "tokens", "shared",  "one-way",    "none",          False, "group",    "masked",    1),
-    ("zero3", 2,    "tokens", "towers",  "one-way",    "none",          False, "group",    "masked",    2),
-    ("zero3", 1,    "tokens", "towers",  "one-way",    "none",          False, "group",    "distilled", 2),
-    ("ddp",   2,    "size",   "towers",  "one-way",    "none",          False, "in-batch", "distilled", 1),
-    ("plain", 1,    "size",   "shared",  "matryoshka", "checkpointing", True,  "in-batch", "masked",    1),
-    ("zero1", 2,    "uneven", "decoder", "symmetric",  "lora",          True,  "in-batch", "none",      2),
-    ("ddp",   3,    "tokens", "decoder", "matryoshka", "checkpointing", False, "group",    "masked",    2),
-    ("plain", 1,    "tokens", "towers",  "symmetric",  "lora",          False, "in-batch", "distilled", 2),
-    ("zero2", 3,    "uneven", "towers",  "one-way",    "checkpointing", True,  "in-batch", "none",      1),
-    ("zero3", 3,    "size",   "shared",  "symmetric",  "lora",          True,  "in-batch", "masked",    1),
-    ("zero1", 1,    "size",   "decoder", "one-way",    "none",          False, "group",    "masked",    2),
-    ("ddp",   2,    "uneven", "shared",  "matryoshka", "none",          True,  "in-batch", "none",      2),
-    ("zero1", 2,    "tokens", "towers",  "matryoshka", "checkpointing", True,  "in-batch", "distilled", 1),
-    ("zero2", 1,    "size",   "decoder", "matryoshka", "lora",          True,  "in-batch", "none",      1),
-    ("zero3", 2,    "uneven", "decoder", "matryoshka", "checkpointing", False, "group",    "masked",    2),
-    ("zero1", 3,    "tokens", "shared",  "symmetric",  "none",          False, "in-batch", "distilled", 1),
-    ("plain", 1,    "tokens", "decoder", "one-way",    "lora",          False, "group",    "none",      2),
-    ("zero3", 1,    "tokens", "decoder", "symmetric",  "checkpointing", False, "in-batch", "none",      1),
-    ("ddp",   2,    "uneven", "decoder", "symmetric",  "lora",          True,  "in-batch", "distilled", 2),
-    ("plain", 1,    "size",   "decoder", "symmetric",  "none",          True,  "in-batch", "none",      2),
-    ("zero2", 1,    "tokens", "towers",  "symmetric",  "none",          False, "in-batch", "distilled", 2),
+    ("zero2", 2, "tokens", "shared",  "one-way",    "none", False, "group", "masked", 1, "none"),
+    ("zero3", 2, "tokens", "towers",  "one-way",    "none", False, "group", "masked", 2, "none"),
+    ("zero3", 1, "tokens", "towers",  "one-way",    "none", False, "group", "distilled", 2, "none"),
+    ("ddp",   2, "size",   "towers",  "one-way",    "none", False, "in-batch", "distilled", 1, "some"),
+    ("plain", 1, "size",   "shared",  "matryoshka", "checkpointing", True, "in-batch", "masked", 1, "some"),
+    ("zero1", 2, "uneven", "decoder", "symmetric",  "lora", True, "in-batch", "none", 2, "all"),
+    ("ddp",   3, "tokens", "decoder", "matryoshka", "checkpointing", False, "group", "masked", 2, "none"),
+    ("plain", 1, "tokens", "towers",  "symmetric",  "lora", False, "in-batch", "distilled", 2, "all"),
+    ("zero2", 3, "uneven", "towers",  "one-way",    "checkpointing", True, "in-batch", "none", 1, "all"),
+    ("zero3", 3, "size",   "shared",  "symmetric",  "lora", True, "in-batch", "masked", 1, "all"),
+    ("zero1", 1, "size",   "decoder", "one-way",    "none", False, "group", "masked", 2, "none"),
+    ("ddp",   2, "uneven", "shared",  "matryoshka", "none", True, "in-batch", "none", 2, "all"),
+    ("zero1", 2, "tokens", "towers", "matryoshka", "checkpointing", True, "in-batch", "distilled", 1, "some"),
+    ("zero2", 1, "size",   "decoder", "matryoshka", "lora", True, "in-batch", "none", 1, "all"),
+    ("zero3", 2, "uneven", "decoder", "matryoshka", "checkpointing", False, "group", "masked", 2, "none"),
+    ("zero1", 3, "tokens", "shared",  "symmetric",  "none", False, "in-batch", "distilled", 1, "some"),
+    ("plain", 1, "tokens", "decoder", "one-way",    "lora", False, "group", "none", 2, "none"),
+    ("zero3", 1, "tokens", "decoder", "symmetric",  "checkpointing", False, "in-batch", "none", 1, "some"),
+    ("ddp",   2, "uneven", "decoder", "symmetric",  "lora", True, "in-batch", "distilled", 2, "some"),
+    ("plain", 1, "size",   "decoder", "symmetric",  "none", True, "in-batch", "none", 2, "none"),
+    ("zero2", 1, "tokens", "towers",  "symmetric",  "none", False, "in-batch", "distilled", 2, "some"),
 ]]
 # fmt: on
 MODEL_KINDS = {"shared": "mean", "towers": "router", "decoder": "decoder"}
@@ -117,6 +118,8 @@ def possible(values):
         return False
     if values.get("negatives") == "group" and (values.get("loss") == "symmetric" or values.get("cross")):
         return False  # without in-batch negatives there is no reverse direction, nor other processes' rows
+    if values.get("negatives") == "group" and values.get("budget") not in (None, "none"):
+        return False  # group_step keeps no graphs: each chunk of rows is back-propagated as it is encoded
     return not (chunking == "uneven" and (processes == 1 or backend == "plain"))
 
 
@@ -310,7 +313,7 @@ def test_row_matches_sentence_transformers_on_the_global_batch(row, runs, model_
         (exactness(updates, float32.updates, truth.updates) for updates in run.updates),
         key=lambda measured: measured.error / measured.bound,
     )
-    print(f"{row.name}: loss {loss}, update {update}, chunks {ranks[0]['chunks']}")
+    print(f"{row.name}: loss {loss}, update {update}, chunks {ranks[0]['chunks']}, kept {ranks[0]['kept']}")
     assert loss.holds, f"loss {loss}"
     assert update.holds, f"update {update}"
     # Negative controls: the same run with its updates 1 + 1e-3 times as large fails the same rule, and so
@@ -324,6 +327,20 @@ def test_row_matches_sentence_transformers_on_the_global_batch(row, runs, model_
         assert not wrong.holds, f"the run matches the other partition's reference: {wrong}"
     # Every rank ran the same number of chunk passes per step: the collectives of ZeRO-2/3 line up.
     assert len({tuple(run["chunks"]) for run in ranks}) == 1
+    # The budget kept what the row says, the same on every rank: all groups (none re-encoded), some, or the
+    # last one's alone.
+    kept = {tuple(map(tuple, run["kept"])) for run in ranks}
+    assert len(kept) == 1, kept
+    steps = enumerate(ranks[0]["kept"])  # gradcache_step's: a group-only row's second source is in-batch
+    in_batch = [k for step, k in steps if row.negatives == "in-batch" or source_of_step(row, step)]
+    if row.budget == "all":
+        assert all(reencoded == 0 for _, reencoded in in_batch), in_batch
+    elif row.budget == "some":
+        assert in_batch[0][1] == 0 and any(0 < groups and reencoded for groups, reencoded in in_batch), (
+            in_batch
+        )
+    else:
+        assert all(groups == 1 for groups, _ in in_batch), in_batch
     if row.extra == "masked":  # the planted repeats were found
         assert all(fraction > 0 for run in ranks for fraction in run["masked"]), [
             run["masked"] for run in ranks
