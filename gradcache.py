@@ -51,8 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["gradcache_step", "group_step", "StepReport", "ChunkOutOfMemory", "StepInterrupted", "refinements"]
-__all__ += ["any_process"]
-__all__ += ["contrastive_loss", "group_loss", "FalseNegatives", "accelerate_sync_context"]
+__all__ += ["contrastive_loss", "group_loss", "FalseNegatives", "accelerate_sync_context", "any_process"]
 __all__ += ["tokenize_per_chunk", "select_examples", "plan_chunks", "plan_step", "GROUP_FORWARDS"]
 # Parts that train.py, tests/ and bench/ call or replace on their own.
 __all__ += ["check_examples_independent", "cache_representation_gradients", "backpropagate_cache"]
@@ -886,20 +885,24 @@ def group_loss(
         l_i = LSE_j(s_ij) - s_i0,   s_i0 = tau <a_i, p_i>,  s_ij = tau <a_i, n_ij>   (j = 1..k)
 
     rows x (1 + k) scores. The options are `contrastive_loss`'s; `rows`: the batch's indices of these rows,
-    for `false_negatives` and `teacher_scores`; `stats` adds up "masked", "seen" and "masked_fraction"."""
+    for `false_negatives` and `teacher_scores`; `stats` adds up "masked", "seen", "masked_fraction" and
+    "accuracy" (rows whose positive scores highest in their group)."""
     rows = torch.arange(len(anchor)) if rows is None else rows
-    masked = [0]  # hard negatives masked
+    counts = [0, 0]  # hard negatives masked, rows whose positive scores highest
     own_group = functools.partial(group_terms, scale=scale, rows=rows)
-    own_group = functools.partial(own_group, false_negatives=false_negatives, masked=masked)
+    own_group = functools.partial(own_group, false_negatives=false_negatives, counts=counts)
     matryoshka = (matryoshka_dims, matryoshka_weights)
     distill = (teacher_scores, distill_weight, distill_temperature)
     rows_of_terms = (slice(None), rows, None)  # every row held, its side data at `rows`; one term per row
     columns = [anchor, positive, *negatives]
     terms, _ = loss_skeleton(own_group, columns, rows_of_terms, scale, similarity, matryoshka, distill)
     if stats is not None:
-        stats["masked"] = stats.get("masked", 0) + int(masked[0])
+        stats["masked"] = stats.get("masked", 0) + int(counts[0])
         stats["seen"] = stats.get("seen", 0) + len(anchor) * len(negatives) * len(matryoshka_dims or [0])
         stats["masked_fraction"] = stats["masked"] / max(stats["seen"], 1)
+        stats["hits"] = stats.get("hits", 0) + counts[1]
+        stats["rows"] = stats.get("rows", 0) + len(anchor) * len(matryoshka_dims or [0])
+        stats["accuracy"] = stats["hits"] / stats["rows"]  # within each row's own group
     return terms
 
 
@@ -973,15 +976,15 @@ def info_nce(anchor, positive, *negatives, scale, symmetric, rows, tile_size, fa
     return loss
 
 
-def group_terms(*columns, scale, rows, false_negatives, masked):
-    """`group_loss`'s own term: l_i over row i's group, less the hard negatives `false_negatives` masks
-    (counted into masked[0])."""
+def group_terms(*columns, scale, rows, false_negatives, counts):
+    """`group_loss`'s term l_i over row i's group less what `false_negatives` masks (counts: masked, hits)."""
     similarities = group_scores(*columns, rows=slice(None))
     mask = torch.zeros_like(similarities, dtype=torch.bool)
     if false_negatives is not None:
         mask[:, 1:] = false_negatives.group_mask(similarities, rows)
-        masked[0] = masked[0] + mask.sum()
+        counts[0] = counts[0] + mask.sum()
     scores = (similarities * scale).masked_fill(mask, -torch.inf)
+    counts[1] = counts[1] + int((scores.detach().argmax(dim=1) == 0).sum())  # the positive scores highest
     return torch.logsumexp(scores, dim=1) - scores[:, 0]
 
 

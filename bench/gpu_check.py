@@ -23,7 +23,8 @@ each must overflow its first steps, skip and count them (never as non-finite ste
 The graph_budget sweep of bench/speed.py on the GPU, nothing else: gradcache_step keeping 0, 1/4, 1/2 and
 all of its stage-1 graphs against the no-cache lower bound, at batch 256 and 1,024, chunk 32, the whole
 all-MiniLM-L6-v2, peak memory by torch.cuda.max_memory_allocated; the table goes to $OUT/gpu_budget_sweep.md
-(else bench/results/). Two warm-up and three measured rounds: about a minute on one GPU.
+and budget_gpu.json/.md (else bench/results/; copy those into bench/results/ for make_results.py). Two
+warm-up and three measured rounds: about a minute on one GPU.
 
     python bench/gpu_check.py --budget_sweep
 
@@ -181,6 +182,8 @@ def run_budget_sweep():
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_budget_sweep.md").write_text(report)
+    info = harness.provenance("cuda", "python bench/gpu_check.py --budget_sweep", allow_dirty=True)
+    speed.save_budget_sweep(rows, info, argparse.Namespace(device="cuda", out_dir=out))  # RESULTS.md's part
     return report
 
 

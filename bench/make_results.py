@@ -29,6 +29,18 @@ SECTIONS = {
 }
 BUDGET_ALL_TARGET, BUDGET_LINEAR_POINTS = 1.05, 0.05  # every graph kept: the lower bound's compute
 DEVICES = {"cpu": "", "gpu": " --device cuda --preset gpu", "smoke": " --preset smoke"}
+# The commands that fill a section, where it is not `python bench/<name>.py` with the device's flags.
+COMMANDS = {
+    ("budget", "cpu"): "speed.py --budget_sweep --rounds 3",
+    ("budget", "gpu"): "gpu_check.py --budget_sweep",
+}
+
+
+def command(name, preset):
+    script = COMMANDS.get((name, preset)) or f"{name}.py{DEVICES.get(preset, ' --preset ' + preset)}"
+    return f"python bench/{script}"
+
+
 MEMORY_TARGET, ST_TARGET, PLAIN_TARGET, TILED_TIME_TARGET = 1.15, 0.7, 1.25, 1.3
 ST_TARGET_MIN_BATCH, TILED_TIME_MAX_BATCH, FULL_STEP_BATCH = 256, 4096, 65536
 LOSS_STAGE_TARGETS = {16384: 2**30, 65536: 2 * 2**30}  # batch -> bytes the loss stage may add
@@ -482,6 +494,7 @@ def budget_targets(saved):
         off = [abs(r - (none_ratio + (s - none_share) / (all_share - none_share) * (all_ratio - none_ratio)))
                for s, r, _ in points]  # fmt: skip
         shown = ", ".join(f"{s:.0%} kept {r:.2f}x" for s, r, _ in points)
+        shown += f"; at most {max(off) * 100:.0f} points off the line from none to all"
         rows.append([f"batch {batch}: every group kept, at most {BUDGET_ALL_TARGET}x the lower bound",
                      f"{all_ratio:.2f}x", verdict(all_ratio, BUDGET_ALL_TARGET)])  # fmt: skip
         proportion = f"batch {batch}: the ratio falls in proportion to the share kept (within 5 points)"
@@ -529,7 +542,7 @@ def commits_line(loaded):
 def section_text(results_dir, name, preset, output):
     path = results_dir / f"{name}_{preset}.md"
     if not path.exists():
-        return f"Not measured yet: `python bench/{name}.py{DEVICES.get(preset, ' --preset ' + preset)}`."
+        return f"Not measured yet: `{command(name, preset)}`."
     # Images are linked relative to results/; RESULTS.md lives elsewhere.
     prefix = os.path.relpath(results_dir, output.parent)
     return re.sub(r"\]\(([^)/]+\.png)\)", rf"]({prefix}/\1)", path.read_text().strip())
@@ -596,7 +609,7 @@ def main(argv=None):
         "file, excepted), so that each section names the commit that ran. Then, from the repository root "
         "on a quiet machine, one command per benchmark and the assembly; commit the results after:",
         "",
-        *(f"    python bench/{name}.py{DEVICES['cpu']}" for name in SECTIONS),
+        *(f"    {command(name, 'cpu')}" for name in SECTIONS),
         "    python bench/make_results.py",
         "",
         "On a machine with one GPU the same with the GPU presets, each sized for minutes on an H200 "
@@ -604,7 +617,7 @@ def main(argv=None):
         "device tool returns what is written under $OUT), add `--out_dir $OUT` to each and copy the files "
         "into bench/results/ before assembling.",
         "",
-        *(f"    python bench/{name}.py{DEVICES['gpu']}" for name in SECTIONS),
+        *(f"    {command(name, 'gpu')}" for name in SECTIONS),
         "    python bench/make_results.py",
     ]
     output.write_text("\n".join(lines) + "\n")

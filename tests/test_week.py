@@ -251,3 +251,21 @@ def test_cross_process_negatives_apply_to_the_sources_with_in_batch_negatives(so
     assert [s.cross_process_negatives for s in train.source_settings(args)] == [True, False]
     with pytest.raises(SystemExit, match="no --data source has in-batch negatives"):
         train.parse_args([*map(str, two), "--in_batch_negatives", "off"])
+
+
+def test_without_in_batch_negatives_the_accuracy_within_each_group_is_logged(
+    tmp_path, monkeypatch, data, model_without_dropout
+):
+    """group_loss counts the rows whose positive scores highest of their own group (it logged no accuracy):
+    3 of 4 rows built so, the fourth's hard negative on its anchor; a group-only run logs it."""
+    import gradcache
+
+    anchor = torch.eye(4, 8)
+    positive, negative = anchor + 0.1 * torch.roll(anchor, 1, 0), anchor.flip(0)
+    negative[3] = anchor[3]  # row 3: its hard negative is the anchor itself, above its positive
+    stats = {}
+    gradcache.group_loss(anchor, positive, negative, stats=stats)
+    assert stats["accuracy"] == 3 / 4
+    flags = ("--model", model_without_dropout, "--data", data[0], *RUN, "--in_batch_negatives", "off")
+    run_main(monkeypatch, *flags, "--output_dir", tmp_path, "--save_steps", 0)
+    assert all(0 <= value <= 1 for _, value in logged_scalars(tmp_path)["train/in_batch_accuracy"])
