@@ -1337,8 +1337,9 @@ class GraphBudget:
         if not self.said:
             budget = "the last group" if self.bytes is None else f"{self.bytes / 2**20:.0f} MiB"
             self.accelerator.print(
-                f"train.py: --graph_budget {self.spec} ({budget}): the first step kept {report.kept_groups} "
-                f"groups' graphs, re-encoded {report.num_reencoded} of its {report.num_chunks} chunks"
+                f"train.py: --graph_budget {self.spec} ({budget}): the first step kept the graphs of "
+                f"{report.kept_groups} group(s); {report.num_reencoded} of its {report.num_chunks} chunks "
+                "were encoded twice"
             )
             self.said = True
         if self.spec == "auto" and self.cuda:

@@ -269,3 +269,23 @@ def test_without_in_batch_negatives_the_accuracy_within_each_group_is_logged(
     flags = ("--model", model_without_dropout, "--data", data[0], *RUN, "--in_batch_negatives", "off")
     run_main(monkeypatch, *flags, "--output_dir", tmp_path, "--save_steps", 0)
     assert all(0 <= value <= 1 for _, value in logged_scalars(tmp_path)["train/in_batch_accuracy"])
+
+
+def test_a_run_says_its_graph_budget_and_logs_the_groups_kept(
+    tmp_path, monkeypatch, capsys, data, model_without_dropout
+):
+    """The default keeps the last group's graph; a budget that holds them all keeps every group, encoding no
+    chunk twice (plain training's compute): the start line says so, train/kept_groups logs it. (Exactness
+    with budgets: every row of tests/test_matrix.py.)"""
+    flags = ("--model", model_without_dropout, "--data", data[0], *RUN, "--save_steps", 0, "--max_steps", 2)
+    run_main(monkeypatch, *flags, "--output_dir", tmp_path / "default")
+    assert "--graph_budget none (the last group): the first step kept the graphs of 1 group(s)" in (
+        capsys.readouterr().out
+    )
+    assert [value for _, value in logged_scalars(tmp_path / "default")["train/kept_groups"]] == [1, 1]
+    run_main(monkeypatch, *flags, "--output_dir", tmp_path / "all", "--graph_budget", 10**6)
+    out = capsys.readouterr().out
+    said = out.split("the first step kept the graphs of ")[1].split("\n")[0]
+    kept, chunks = int(said.split(" ")[0]), int(said.split("of its ")[1].split(" ")[0])
+    assert kept == chunks > 1 and "; 0 of its" in said  # every chunk its own group: none encoded twice
+    assert [value for _, value in logged_scalars(tmp_path / "all")["train/kept_groups"]] == [kept, kept]
