@@ -56,6 +56,9 @@ Feature map: flag -> the function where it acts -> the test that guards it (test
       -> test_sources::test_the_order_is_seeded_replayed_by_a_resume_and_follows_the_weights
   --batch_size, --chunk_size, --chunk_tokens -> gradient_cache_step
       -> test_train::test_chunked_run_reaches_sentence_transformers_full_batch_weights
+  --graph_budget -> GraphBudget, gradient_cache_step (gradcache.keep_graphs), step_with_back_off
+      -> test_matrix::test_row_matches_sentence_transformers_on_the_global_batch (the budget dimension)
+      -> test_week::test_a_run_says_its_graph_budget_and_logs_the_groups_kept
   --gradient_accumulation_steps -> main (accelerator.accumulate), optimizer_step
       -> test_matrix::test_row_matches_sentence_transformers_on_the_global_batch
   --auto_chunk_size -> step_with_back_off, smaller_chunk
