@@ -173,10 +173,8 @@ def test_two_sources_train_resume_exactly_log_their_source_and_save_their_prompt
     used = [int(value) for _, value in logged["train/source"]]
     assert len(used) == 6 and set(used) == {0, 1}  # an epoch: 4 steps of 32 triplets, 2 of 16 pairs
     assert used.count(0) == 4 and used.count(1) == 2
-    accuracy_steps = [step for step, _ in logged["train/in_batch_accuracy"]]
-    assert accuracy_steps == [
-        step for step, source in enumerate(used, 1) if source == 0
-    ]  # in-batch: source 0
+    # Every step's accuracy: among the batch's candidates for source 0, within its own group for source 1.
+    assert [step for step, _ in logged["train/in_batch_accuracy"]] == list(range(1, 7))
     saved = json.loads((tmp_path / "straight" / "final" / "config_sentence_transformers.json").read_text())
     assert saved["prompts"]["named_query"] == "w1 " and saved["prompts"]["scored_query"] == ""
     assert saved["prompts"]["query"] == ""  # the first source's, for encode_query
