@@ -6,7 +6,7 @@ with your own data pipeline: train.py calls only these.
         a hub data set. Columns: anchor, positive (a text or a list), negative_1..., [positive_scores,
         negative_scores]. locate_data(source, flag) checks where a --data or --dev_data value points.
     load_beir(folder, split, say) -> (queries, corpus, relevant docs); build_evaluator(dev, num_queries,
-        prompts, corpus_size, seed, say) -> the dev set's InformationRetrievalEvaluator.
+        prompts, corpus_size, seed, say, sparse) -> the dev set's (Sparse)InformationRetrievalEvaluator.
     make_loader(train_sets, BatchOrder, names) -> the training DataLoader; set_epoch orders each epoch. A
         batch: {column: texts}, teacher_scores with a teacher's, SOURCE_COLUMN with several sources.
     role_fields(columns, available) reads --columns; text_columns(names) the text columns, in order;
@@ -38,6 +38,7 @@ import pandas
 import torch
 from sentence_transformers.base.sampler import NoDuplicatesBatchSampler
 from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+from sentence_transformers.sparse_encoder.evaluation import SparseInformationRetrievalEvaluator
 
 # fmt: off
 __all__ = [
@@ -665,10 +666,10 @@ def load_beir(folder, split, say=print):
     return queries, corpus, {query_id: relevant[query_id] for query_id in queries}
 
 
-def build_evaluator(dev, num_queries, prompts=None, corpus_size=0, seed=42, say=print):
-    """Retrieve each query's relevant documents among the corpus, scored by sentence-transformers, for the
-    first `num_queries` queries (0: all) of `dev`: pairs (pairs_retrieval) or load_beir's. The corpus: all
-    of it, or with `corpus_size` N their relevant documents and N others drawn with `seed`."""
+def build_evaluator(dev, num_queries, prompts=None, corpus_size=0, seed=42, say=print, sparse=False):
+    """Retrieve each query's relevant documents among the corpus, scored by sentence-transformers (`sparse`:
+    its SparseInformationRetrievalEvaluator), for the first `num_queries` queries (0: all) of `dev`: pairs
+    (pairs_retrieval) or load_beir's. The corpus: all, or `corpus_size` N: relevant documents, N drawn."""
     queries, corpus, relevant_docs = dev if isinstance(dev, tuple) else pairs_retrieval(dev)
     kept, prompts = list(queries)[: num_queries or None], prompts or {}
     relevant = set().union(*(relevant_docs[query_id] for query_id in kept)) & corpus.keys()
@@ -678,7 +679,8 @@ def build_evaluator(dev, num_queries, prompts=None, corpus_size=0, seed=42, say=
         corpus = {doc_id: text for doc_id, text in corpus.items() if doc_id in relevant or doc_id in drawn}
     part = f"{len(relevant)} relevant + {len(drawn)} drawn" if drawn else "all"
     say(f"train.py: dev set: {len(kept)} queries against {len(corpus)} documents ({part} of {whole})")
-    return InformationRetrievalEvaluator(
+    evaluator = SparseInformationRetrievalEvaluator if sparse else InformationRetrievalEvaluator
+    return evaluator(
         queries={query_id: queries[query_id] for query_id in kept}, corpus=corpus,
         relevant_docs={query_id: relevant_docs[query_id] for query_id in kept}, mrr_at_k=[10], ndcg_at_k=[10],
         accuracy_at_k=[1, 10], precision_recall_at_k=[1, 10], map_at_k=[10], batch_size=128, name="dev",

@@ -35,8 +35,10 @@ Feature map: flag -> the function where it acts -> the test that guards it (test
       -> test_model_flags::test_a_bfloat16_base_lora_step_is_exact_against_the_same_dtypes_on_the_full_batch
   --attn_implementation -> model_options
       -> test_model_flags::test_sdpa_and_eager_attention_give_the_same_gradients
-  a CrossEncoder, SparseEncoder folder -> check_loadable
-      -> test_model_flags::test_a_cross_encoder_or_sparse_encoder_is_refused_in_one_line
+  a CrossEncoder folder -> check_loadable -> test_model_flags::test_a_cross_encoder_is_refused_in_one_line
+  a SparseEncoder (SPLADE), --sparse_* -> load_model, check_sparse_flags, SparsityPenalty, make_evaluator
+      -> test_sparse::test_a_sparse_step_is_exact_against_sentence_transformers_splade_loss
+      -> test_matrix::test_row_matches_sentence_transformers_on_the_global_batch (the sparse models)
   --query_prompt, --document_prompt -> role_prompts, finish
       -> test_any_model::test_model_prompts_are_the_default_and_flags_override
   --similarity, --max_seq_length, --matryoshka_* -> prepare_model, loss_function
@@ -172,9 +174,10 @@ import torch
 import yaml
 from accelerate import Accelerator, DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 from accelerate.utils import ProjectConfiguration, broadcast_object_list, send_to_device, set_seed
-from sentence_transformers import SentenceTransformer
+from sentence_transformers import SentenceTransformer, SparseEncoder
 from sentence_transformers.base.modules import Router
 from sentence_transformers.sentence_transformer.modules import Pooling
+from sentence_transformers.sparse_encoder.evaluation import SparseInformationRetrievalEvaluator
 from sentence_transformers.util import load_file_path
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
@@ -321,7 +324,8 @@ def add_batch_flags(add):
 
 def add_loss_flags(add):
     """The loss: temperature, in-batch negatives, directions, Matryoshka, distillation."""
-    add("--scale", type=float, default=20.0, help="inverse temperature of the cosine similarities")
+    add("--scale", type=float, help="inverse temperature of the similarities; default 20, 1 for a sparse "
+        "encoder's dot products (sentence-transformers' SparseMultipleNegativesRankingLoss)")
     add("--in_batch_negatives", choices=["on", "off"], default="on", help="off: each anchor against its own "
         "positive and hard negatives only, chunks back-propagated without a second forward", **per_source())
     add("--symmetric", action="store_true", help="add the positive -> anchor direction to the loss")
@@ -332,6 +336,12 @@ def add_loss_flags(add):
     add("--distill_weight", type=float, default=0.0, help="add W x the KL divergence to a teacher's scores "
         "(fields pos_scores, neg_scores); default 0: off", **per_source())
     add("--distill_temperature", type=float, default=1.0, help="of the teacher's and the student's softmax")
+    add("--sparse_query_weight", type=float, help="a sparse encoder's FLOPS regularizer on the anchors "
+        "(SPLADE); default 5e-5, sentence-transformers' SpladeLoss's")
+    add("--sparse_document_weight", type=float, help="the same on the positives and hard negatives; default "
+        "3e-5")
+    add("--sparse_warmup_ratio", type=float, help="fraction of the steps over which both weights rise "
+        "quadratically from 0 (SpladeRegularizerWeightSchedulerCallback); 0: from the first; default 1/3")
 
 
 def add_mask_flags(add):
@@ -511,6 +521,11 @@ def check_loss_flags(args):
         parser.error("--false_negative_margin_strategy relative needs --false_negative_margin, e.g. 0.95.")
     if not args.distill_temperature > 0:
         parser.error(f"--distill_temperature must be more than 0, got {args.distill_temperature}.")
+    for name in ("sparse_query_weight", "sparse_document_weight", "sparse_warmup_ratio"):
+        if getattr(args, name) is not None and not 0 <= getattr(args, name) <= (
+            1 if "ratio" in name else math.inf
+        ):
+            parser.error(f"--{name} must be 0 or more (a ratio: at most 1), got {getattr(args, name)}.")
     if args.loss_tile_size is not None and args.loss_tile_size < 1:
         parser.error(f"--loss_tile_size must be at least 1, got {args.loss_tile_size} (omit it: automatic).")
 
@@ -591,16 +606,17 @@ def main(args):
     model = prepare_model(load_model(args.model, device, args.pooling, say, **model_options(args)), args)
     sources = source_settings(args)  # each --data source's flags: its columns, prompts, loss
     prompts = [role_prompts(model, source.query_prompt, source.document_prompt) for source in sources]
-    dev = (args.dev_queries, prompts[0], args.dev_corpus_size, args.seed, accelerator.print)
-    evaluator = dev_data and args.eval_steps and pairs.build_evaluator(dev_data, *dev)
+    evaluator = dev_data and args.eval_steps and make_evaluator(args, dev_data, model, prompts, accelerator)
     engine, optimizer, loader, scheduler, derived = prepare_training(
         args, accelerator, model, train_sets, skipped_records
     )
-    total_steps = derived["total_steps"]
-    stats = {}  # each batch's numbers for the logs: tokens from the step, accuracy and masks from the loss
-    preemption = Preemption(accelerator)  # SIGTERM, Ctrl-C: the step stops at its next group of chunks
-    budget = GraphBudget(args.graph_budget, accelerator)  # the stage-1 graphs kept: compute saved
-    steps = source_steps(args, accelerator, engine, model, prompts, train_sets, stats, preemption, budget)
+    total_steps, stats = derived["total_steps"], {}  # stats: each batch's numbers, from the step and loss
+    # SIGTERM, Ctrl-C: the step stops at its next group of chunks; the stage-1 graphs kept: compute saved
+    preemption, budget = Preemption(accelerator), GraphBudget(args.graph_budget, accelerator)
+    sparse = isinstance(model, SparseEncoder) and SparsityPenalty.of(args, model, scheduler, total_steps, say)
+    steps = source_steps(
+        args, accelerator, engine, model, prompts, train_sets, stats, preemption, budget, sparse or None
+    )
     streak = Streak.of(accelerator, engine, last_checkpoint=resume[0] if resume else None)
     progress = resume_training(accelerator, *resume, args, scheduler, total_steps) if resume else Progress()
     settings = resolved_settings(args, model, prompts) | derived  # the flags as the run uses them
@@ -958,10 +974,10 @@ def negatives_per_example(args, processes, train_data):
 
 
 def load_model(name, device, pooling=None, say=print, flag="--model", **options):
-    """--model as a SentenceTransformer: a folder, or a hub name (from the local cache alone when the hub is
-    out of reach). A transformers model without sentence-transformers' modules.json pools as --pooling says:
-    it is refused without it, never pooled by a silent guess. `options`: SentenceTransformer's keywords
-    (model_options); `flag` names it in errors."""
+    """--model as a SentenceTransformer, or as a SparseEncoder where it was saved as one: a folder, or a hub
+    name (from the local cache alone when the hub is out of reach). A transformers model without
+    sentence-transformers' modules.json pools as --pooling says: it is refused without it, never pooled by
+    a silent guess. `options`: SentenceTransformer's keywords (model_options); `flag` names it in errors."""
     local_only, folder = locate_model(name), Path(name).expanduser()
     source = str(folder) if folder.is_dir() else name
     if folder.is_dir() and not any((folder / file).is_file() for file in ("modules.json", "config.json")):
@@ -976,8 +992,9 @@ def load_model(name, device, pooling=None, say=print, flag="--model", **options)
             )
         if pooling and not plain:
             fail(f"--pooling {pooling}: --model {name} pools as its modules.json says. Drop --pooling.")
-        check_loadable(name, source, local_only, options.get("trust_remote_code", False), flag)
-        model = SentenceTransformer(source, device=device, local_files_only=local_only, **options)
+        kind = check_loadable(name, source, local_only, options.get("trust_remote_code", False), flag)
+        model_class = SparseEncoder if kind == "SparseEncoder" else SentenceTransformer  # as it was saved
+        model = model_class(source, device=device, local_files_only=local_only, **options)
     except OSError as err:
         fail(f"{flag} {name} could not be loaded ({err}).")
     except (ValueError, ImportError) as err:  # transformers': custom code check_loadable missed, a kernel
@@ -999,21 +1016,20 @@ def model_options(args):
 
 
 def check_loadable(name, source, local_only, trust_remote_code, flag="--model"):
-    """Stop in one line, before loading, where --model is not a SentenceTransformer (sentence-transformers
-    would rebuild a CrossEncoder or SparseEncoder as a mean-pooled bi-encoder of its base, silently), or
-    ships code of its own (a module class, a config's auto_map) without --trust_remote_code."""
+    """The class --model was saved as (SentenceTransformer, SparseEncoder). Stop in one line, before
+    loading, where it is another (sentence-transformers would rebuild a CrossEncoder as a mean-pooled
+    bi-encoder of its base, silently), or ships code of its own (a module class, an auto_map) without
+    --trust_remote_code."""
 
     def read(file):
         path = load_file_path(source, file, local_files_only=local_only)
         return json.loads(Path(path).read_text()) if path else {}
 
     kind = read("config_sentence_transformers.json").get("model_type", "SentenceTransformer")
-    if kind == "SparseEncoder":
-        fail(f"{flag} {name}: sparse encoders are not supported yet: train.py trains dense embeddings only.")
-    if kind != "SentenceTransformer":
+    if kind not in ("SentenceTransformer", "SparseEncoder"):
         fail(
             f"{flag} {name} is a {kind} (config_sentence_transformers.json): train.py trains bi-encoders "
-            "(SentenceTransformer). Pass one, or a transformers model with --pooling."
+            "(SentenceTransformer, SparseEncoder). Pass one, or a transformers model with --pooling."
         )
     for module in read("modules.json") or [{"path": "", "type": "sentence_transformers"}]:
         folder = f"{module['path']}/" if module["path"] else ""
@@ -1025,12 +1041,14 @@ def check_loadable(name, source, local_only, trust_remote_code, flag="--model"):
             code.append(f"modules.json: {module['type']}")
         if code and not trust_remote_code:
             fail(f"{flag} {name} runs code of its own ({code[0]}): add --trust_remote_code if you trust it.")
+    return kind
 
 
 def prepare_model(model, args):
     """The model as trained, as the flags set it: its sequence length, similarity and Matryoshka dimensions,
     a LoRA adapter, gradient checkpointing; in training mode, refused if it mixes the examples of a batch."""
     model.max_seq_length = args.max_seq_length or model.max_seq_length
+    check_sparse_flags(model, args)  # a sparse encoder's loss is SPLADE's; a dense one has no regularizers
     width = model.get_embedding_dimension()
     if too_large := [dim for dim in args.matryoshka_dims or () if dim > width]:
         dims, example = ",".join(map(str, args.matryoshka_dims)), ",".join(str(width >> k) for k in range(4))
@@ -1058,6 +1076,42 @@ def prepare_model(model, args):
     except ValueError as err:
         fail(f"--model {args.model}: {err}")
     return model
+
+
+def check_sparse_flags(model, args):
+    """The flags that do not fit the model, refused: a sparse encoder (SPLADE) trains its vocabulary-sized
+    weights by dot product, with FLOPS regularizers of the whole batch (`SparsityPenalty`), as
+    sentence-transformers' SpladeLoss does; a dense model has no regularizers."""
+    if not isinstance(model, SparseEncoder):
+        if given := [f"--{name}" for name in SPARSE_DEFAULTS if getattr(args, name) is not None]:
+            fail(f"{', '.join(given)}: for a sparse encoder (SparseEncoder); --model {args.model} is dense.")
+        return
+    refused = {
+        "--matryoshka_dims": bool(args.matryoshka_dims),
+        "--similarity cos": args.similarity == "cos"
+        or (not args.similarity and model.similarity_fn_name != "dot"),
+        "--in_batch_negatives off": any(s.in_batch_negatives == "off" for s in source_settings(args)),
+    }
+    if flags := [flag for flag, given in refused.items() if given]:
+        fail(
+            f"{flags[0]}: --model {args.model} is a sparse encoder, trained by dot product on its vocabulary-"
+            "sized weights with FLOPS regularizers of the whole batch (no prefixes to truncate, no norm, no "
+            f"per-row loss). Drop {flags[0]}."
+        )
+
+
+# The defaults of the flags that depend on the model (None): sentence-transformers' SpladeLoss's weights and
+# warm-up, and the scale of its SparseMultipleNegativesRankingLoss (dot products of unnormalized weights).
+SPARSE_DEFAULTS = {"sparse_query_weight": 5e-5, "sparse_document_weight": 3e-5, "sparse_warmup_ratio": 1 / 3}
+SCALE_DEFAULT = {"dense": 20.0, "sparse": 1.0}
+
+
+def model_default(args, name, model):
+    """--name as given, or its default for this model (SPARSE_DEFAULTS, SCALE_DEFAULT)."""
+    if (value := getattr(args, name)) is not None:
+        return value
+    sparse = isinstance(model, SparseEncoder)
+    return SCALE_DEFAULT["sparse" if sparse else "dense"] if name == "scale" else SPARSE_DEFAULTS[name]
 
 
 def add_lora_adapters(transformers, args):
@@ -1107,6 +1161,13 @@ def role_prompts(model, query_prompt=None, document_prompt=None):
     query = declared("query") if query_prompt is None else query_prompt
     document = declared("document", "passage", "corpus") if document_prompt is None else document_prompt
     return {"query": query or None, "document": document or None}  # "" is no prompt
+
+
+def make_evaluator(args, dev_data, model, prompts, accelerator):
+    """The dev set's evaluator (pairs.build_evaluator), with the first source's prompts; a sparse encoder's
+    also counts its active dimensions (sentence-transformers' SparseInformationRetrievalEvaluator)."""
+    dev = (args.dev_queries, prompts[0], args.dev_corpus_size, args.seed, accelerator.print)
+    return pairs.build_evaluator(dev_data, *dev, sparse=isinstance(model, SparseEncoder))
 
 
 def prepare_training(args, accelerator, model, train_sets, skipped_records):
@@ -1232,6 +1293,7 @@ def loss_scale(accelerator, engine):
 def resolved_settings(args, model, prompts):
     """The flags whose default is the model's (None), as the run uses them (`prompts`: each source's)."""
     query, document = ([source[role] or "" for source in prompts] for role in ("query", "document"))
+    sparse = isinstance(model, SparseEncoder)
     return {
         "similarity": "dot" if model.similarity_fn_name == "dot" else "cos",
         "max_seq_length": model.max_seq_length,
@@ -1239,7 +1301,8 @@ def resolved_settings(args, model, prompts):
         "document_prompt": document[0] if len(set(document)) == 1 else document,
         "lora_alpha": args.lora_alpha or 2 * args.lora_r,
         "loss_tile_size": args.loss_tile_size or "automatic",
-    }
+        "scale": model_default(args, "scale", model),
+    } | ({name: model_default(args, name, model) for name in SPARSE_DEFAULTS} if sparse else {})
 
 
 def start_tracking(accelerator, args, settings, resumed_state):
@@ -1402,10 +1465,11 @@ class Preemption:
 # ---- (false-negative masks, the guide's representations, the teacher's scores)
 
 
-def source_steps(args, accelerator, engine, model, prompts, train_sets, stats, preemption, budget):
+def source_steps(args, accelerator, engine, model, prompts, train_sets, stats, preemption, budget, penalty):
     """The step of each --data source's batches (gradient_cache_step): its prompts, its loss, its flags, and
     what every step shares: `stats` for the logs, the anchors' known positives, the guide model, the
-    preemption that stops a step at its next group of chunks, and the graph budget."""
+    preemption that stops a step at its next group of chunks, the graph budget and a sparse encoder's
+    regularizers (`penalty`, a SparsityPenalty, or None)."""
     # An anchor's other positives in the data are no negatives of it (--mask_repeated_texts).
     known_positives = positives_by_anchor(*train_sets) if args.mask_repeated_texts == "on" else None
     guide = load_guide(args, accelerator)  # --guide_model: its scores mask false negatives
@@ -1416,7 +1480,7 @@ def source_steps(args, accelerator, engine, model, prompts, train_sets, stats, p
             engine,
             model,
             source_prompts,
-            loss_function(source, model),
+            loss_function(source, model, penalty),
             source,
             stats=stats,
             known_positives=known_positives,
@@ -1428,19 +1492,20 @@ def source_steps(args, accelerator, engine, model, prompts, train_sets, stats, p
     ]
 
 
-def loss_function(args, model):
+def loss_function(args, model, penalty=None):
     """The contrastive loss as the flags set it, scored by the model's similarity: a partial of
     gradcache.contrastive_loss, which stage 2 calls on the whole batch, or with --in_batch_negatives off of
-    gradcache.group_loss, which group_step calls on each chunk. A new loss term belongs here."""
+    gradcache.group_loss, which group_step calls on each chunk; a sparse encoder's with its FLOPS
+    regularizers added (`penalty`, a SparsityPenalty). A new loss term belongs here."""
     if args.in_batch_negatives == "off":
         in_batch = {}  # no other rows' candidates: no tiles, no symmetric direction
         loss = gradcache.group_loss
     else:
         in_batch = dict(symmetric=args.symmetric, tile_size=args.loss_tile_size)
         loss = gradcache.contrastive_loss
-    return functools.partial(
+    loss = functools.partial(
         loss,
-        scale=args.scale,
+        scale=model_default(args, "scale", model),
         similarity="dot" if model.similarity_fn_name == "dot" else "cos",
         **in_batch,
         matryoshka_dims=args.matryoshka_dims,
@@ -1448,6 +1513,66 @@ def loss_function(args, model):
         distill_weight=args.distill_weight,
         distill_temperature=args.distill_temperature,
     )
+    return functools.partial(penalty, loss) if penalty else loss
+
+
+@dataclasses.dataclass
+class SparsityPenalty:
+    """SPLADE's FLOPS regularizers (Paria et al. 2020), added to a sparse encoder's contrastive loss as
+    sentence-transformers' SpladeLoss adds them: FLOPS(w) = sum_j (mean_i w_ij)^2 over the vocabulary, on
+    the anchors (query_weight) and on the positives and hard negatives together (document_weight).
+
+    Of the whole batch the loss scores: with --cross_process_negatives the global batch, as one process
+    holding it computes them (each process adds its rows' share, rows / B, of the global value: the shares
+    sum to it); otherwise each process's own batch, averaged by DDP, as SpladeLoss under DDP. The weights
+    rise as (step / warmup_steps)^2 up to warmup_steps, as SpladeRegularizerWeightSchedulerCallback's
+    quadratic warm-up, the step counted as the learning rate schedule counts it: the updates applied."""
+
+    query_weight: float
+    document_weight: float
+    warmup_steps: int  # 0: the full weights from the first step
+    schedule: (
+        object  # the learning rate's LambdaLR: its last_epoch, the updates so far (a resume restores it)
+    )
+
+    @classmethod
+    def of(cls, args, model, schedule, total_steps, say=print):
+        query, document, ratio = (model_default(args, name, model) for name in SPARSE_DEFAULTS)
+        warmup = max(1, int(total_steps * ratio)) if ratio else 0
+        say(
+            f"train.py: --model {args.model} is a sparse encoder of {model.get_embedding_dimension()} "
+            f"dimensions: FLOPS regularizers {query:g} (queries), {document:g} (documents), reached after "
+            f"{warmup} steps (--sparse_warmup_ratio {ratio:.3g})"
+        )
+        return cls(query, document, warmup, schedule)
+
+    def weights(self):
+        step = self.schedule.last_epoch
+        ramp = min(1.0, step / self.warmup_steps) ** 2 if self.warmup_steps else 1.0
+        return self.query_weight * ramp, self.document_weight * ramp
+
+    def __call__(self, loss, anchor, *documents, local_rows=None, stats=None, **options):
+        """`loss(anchor, *documents, ...)` + the weighted regularizers; `stats` gets the mean active
+        dimensions of this process's queries and documents and each regularizer's (unweighted) value."""
+        total = loss(anchor, *documents, local_rows=local_rows, stats=stats, **options)
+        rows = slice(0, len(anchor)) if local_rows is None else local_rows
+        share = len(range(*rows.indices(len(anchor)))) / len(anchor)  # this process's rows of the batch
+        query_flops, document_flops = flops(anchor), flops(torch.cat(documents))
+        query_weight, document_weight = self.weights()
+        total = total + share * (query_weight * query_flops + document_weight * document_flops)
+        if stats is not None:
+            active = [(column[rows].detach() > 0).sum(-1).double().mean() for column in (anchor, *documents)]
+            stats |= {"query_active_dims": float(active[0]), "query_flops": float(query_flops)}
+            stats |= {"document_active_dims": float(sum(active[1:]) / len(documents))}
+            stats |= {"document_flops": float(document_flops), "sparse_query_weight": query_weight}
+            stats["sparse_document_weight"] = document_weight
+        return total
+
+
+def flops(weights):
+    """sum_j (mean_i w_ij)^2: the FLOPS regularizer of a batch of sparse representations (no |.|: SPLADE's
+    weights are >= 0), sentence-transformers' FlopsLoss without a threshold."""
+    return weights.mean(dim=0).square().sum()
 
 
 def positives_by_anchor(*train_sets):
@@ -1759,7 +1884,8 @@ def evaluate(evaluator, model, accelerator, global_step):
 def split_between_processes(evaluator, accelerator):
     """sentence-transformers' evaluator, its texts (the queries, each chunk of the corpus) encoded once: each
     process encodes an equal share (the last padded with repeats: under ZeRO-3 every process must run as
-    many forward passes), the embeddings gathered in order, the metrics its own. One process: unchanged."""
+    many forward passes), the embeddings gathered in order, the metrics its own. One process, or a sparse
+    encoder (its evaluator counts active dimensions as it encodes, on sparse CPU tensors): unchanged."""
     embed_inputs = evaluator.embed_inputs
 
     def embed_share(model, texts, **kwargs):
@@ -1768,7 +1894,8 @@ def split_between_processes(evaluator, accelerator):
         mine += texts[: share - len(mine)]  # the repeats: dropped after the gather
         return accelerator.gather(embed_inputs(model, mine, **kwargs))[: len(texts)]
 
-    evaluator.embed_inputs = embed_share if accelerator.num_processes > 1 else embed_inputs
+    shared = accelerator.num_processes > 1 and not isinstance(evaluator, SparseInformationRetrievalEvaluator)
+    evaluator.embed_inputs = embed_share if shared else embed_inputs
     try:
         yield
     finally:
@@ -1791,7 +1918,7 @@ class LogWindow:
         """One batch: its loss, and its `stats` from the step and the loss (in-batch accuracy only where
         there are in-batch negatives, the masked fraction only with masks)."""
         self.loss, self.batches, self.seconds = self.loss + loss, self.batches + 1, self.seconds + seconds
-        for name in ("accuracy", "padding_efficiency", "masked_fraction", "kept_groups"):
+        for name in ("accuracy", "padding_efficiency", "masked_fraction", "kept_groups", *SPARSITY_STATS):
             if name in stats:
                 self.means[name] = self.means.get(name, 0.0) + stats[name]
         self.tokens += stats["tokens"]
@@ -1800,6 +1927,11 @@ class LogWindow:
 
     def examples_per_second(self, effective_batch_size):
         return self.steps * effective_batch_size / self.seconds
+
+
+# A sparse encoder's numbers (SparsityPenalty): its mean active dimensions, regularizers and their weights.
+SPARSITY_STATS = ("query_active_dims", "document_active_dims", "query_flops", "document_flops")
+SPARSITY_STATS += ("sparse_query_weight", "sparse_document_weight")
 
 
 def batches_from(progress, loader, accelerator, total_steps):
@@ -1825,6 +1957,7 @@ def log_training(accelerator, engine, progress, window, derived, batches_per_epo
         "padding_efficiency": "train/padding_efficiency",  # real tokens / padded tokens of the chunks
         "kept_groups": "train/kept_groups",  # groups back-propagated from their stage-1 graphs
         "masked_fraction": "train/masked_fraction",  # candidates the false-negative masks took out
+        **{name: f"train/{name}" for name in SPARSITY_STATS},  # a sparse encoder's (SparsityPenalty)
     }
     means = {  # per batch; each process's batch counts alike
         "train/loss": window.loss,
@@ -1860,6 +1993,8 @@ def progress_line(report, window, derived, stats):
     line["examples_per_s"] = f"{window.examples_per_second(derived['effective_batch_size']):.1f}"
     if "masked_fraction" in stats:
         line["masked"] = f"{stats['masked_fraction']:.0%}"
+    if "query_active_dims" in stats:  # a sparse encoder's: how sparse its queries and documents are now
+        line["active_dims"] = f"{stats['query_active_dims']:.0f}/{stats['document_active_dims']:.0f}"
     return line
 
 
@@ -1935,7 +2070,7 @@ def finish(accelerator, model, args, prompts, first_eval, last_eval):
             saved |= {f"{data_name(source.data)}_{role}": p or "" for role, p in source_prompts.items()}
     model.prompts = model.prompts | saved
     save_final_model(accelerator, model, final, args.merge_lora)
-    accelerator.print(f"saved {final}: load it with SentenceTransformer(path)")
+    accelerator.print(f"saved {final}: load it with {type(model).__name__}(path)")
     for name in ("mrr@10", "ndcg@10", "recall@10"):  # scored by the model's similarity: cosine, dot
         name = f"eval/dev_{model.similarity_fn_name}_{name}"
         if first_eval and last_eval:

@@ -56,11 +56,23 @@ def build_tiny_model(folder, dropout, kind="mean"):
           "cls"     the same BERT, CLS pooled, then Normalize
           "decoder" a 2-layer Llama, last-token pooled, the tokenizer padding on the left
           "router"  two BERTs, one for queries and one for documents, behind sentence-transformers' Router
+          "splade"  a SparseEncoder: the BERT with its masked-language-model head, SpladePooling("max")
+          "inference-free"  a SparseEncoder Router: a SparseStaticEmbedding (weights drawn around 1) for the
+                    queries, the SPLADE BERT for the documents
     """
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules import Router
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
-    from transformers import BertConfig, BertModel, BertTokenizerFast, LlamaConfig, LlamaModel
+    from sentence_transformers.sparse_encoder import SparseEncoder
+    from sentence_transformers.sparse_encoder.modules import SparseStaticEmbedding, SpladePooling
+    from transformers import (
+        BertConfig,
+        BertForMaskedLM,
+        BertModel,
+        BertTokenizerFast,
+        LlamaConfig,
+        LlamaModel,
+    )
 
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
     vocab += [f"{kind}{i}" for kind in "apn" for i in range(ROWS + 8)]
@@ -70,6 +82,12 @@ def build_tiny_model(folder, dropout, kind="mean"):
 
     def transformer(name, seed):
         torch.manual_seed(seed)
+        if kind in ("splade", "inference-free"):
+            BertForMaskedLM(
+                BertConfig(**sizes, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+            ).save_pretrained(folder / name)
+            BertTokenizerFast(str(folder / "vocab.txt")).save_pretrained(folder / name)
+            return Transformer(str(folder / name), transformer_task="fill-mask")
         if kind == "decoder":
             config = LlamaConfig(**sizes, num_key_value_heads=1, attention_dropout=dropout, pad_token_id=0)
             LlamaModel(config).save_pretrained(folder / name)
@@ -80,6 +98,18 @@ def build_tiny_model(folder, dropout, kind="mean"):
         BertTokenizerFast(str(folder / "vocab.txt"), padding_side=padding_side).save_pretrained(folder / name)
         return Transformer(str(folder / name))
 
+    if kind in ("splade", "inference-free"):
+        document = [transformer("bert", 0), SpladePooling("max")]
+        if kind == "splade":
+            model = SparseEncoder(modules=document)
+        else:
+            query = SparseStaticEmbedding(tokenizer=document[0].tokenizer, frozen=False)
+            torch.nn.init.uniform_(
+                query.weight, 0.5, 1.5
+            )  # not all ones: the gradients reach each weight apart
+            model = SparseEncoder(modules=[Router.for_query_document([query], document)])
+        model.save(str(folder / "model"))
+        return folder / "model"
     pooling = Pooling(32, {"cls": "cls", "decoder": "lasttoken"}.get(kind, "mean"))
     if kind == "router":
         router = Router.for_query_document([transformer("query", 0)], [transformer("document", 1)])
