@@ -1063,7 +1063,7 @@ def prepare_model(model, args):
             f"--model scores by {model.similarity_fn_name} similarity; the loss scores by cosine or dot "
             "product: pass --similarity cos or --similarity dot (the saved model will use it too)."
         )
-    transformers = [module for module in model.modules() if isinstance(module, PreTrainedModel)]
+    transformers = transformers_models(model)
     if (args.lora_r or args.gradient_checkpointing) and not transformers:
         fail("--lora_r and --gradient_checkpointing need a model with a transformers module (Transformer).")
     if args.lora_r:
@@ -1078,10 +1078,24 @@ def prepare_model(model, args):
     return model
 
 
+def transformers_models(model):
+    """The model's outermost transformers models: a SPLADE's BertForMaskedLM holds a BertModel, and both are
+    PreTrainedModels; an adapter goes on the outer one alone (one tower of a Router each)."""
+    found = [module for module in model.modules() if isinstance(module, PreTrainedModel)]
+    inner = {id(sub) for module in found for sub in module.modules() if sub is not module}
+    return [module for module in found if id(module) not in inner]
+
+
 def check_sparse_flags(model, args):
     """The flags that do not fit the model, refused: a sparse encoder (SPLADE) trains its vocabulary-sized
     weights by dot product, with FLOPS regularizers of the whole batch (`SparsityPenalty`), as
     sentence-transformers' SpladeLoss does; a dense model has no regularizers."""
+    if any(type(module).__name__ == "SparseAutoEncoder" for module in model.modules()):
+        fail(
+            f"--model {args.model} is a CSR sparse encoder (SparseAutoEncoder): it trains with "
+            "sentence-transformers' CSRLoss (reconstruction terms), which train.py does not have; it trains "
+            "SPLADE models (SpladePooling), inference-free ones too."
+        )
     if not isinstance(model, SparseEncoder):
         if given := [f"--{name}" for name in SPARSE_DEFAULTS if getattr(args, name) is not None]:
             fail(f"{', '.join(given)}: for a sparse encoder (SparseEncoder); --model {args.model} is dense.")
@@ -1539,8 +1553,10 @@ class SparsityPenalty:
     def of(cls, args, model, schedule, total_steps, say=print):
         query, document, ratio = (model_default(args, name, model) for name in SPARSE_DEFAULTS)
         warmup = max(1, int(total_steps * ratio)) if ratio else 0
+        # SpladePooling knows its width after a first forward only: the language-model head's vocabulary's
+        dimensions = max(transformer.config.vocab_size for transformer in transformers_models(model))
         say(
-            f"train.py: --model {args.model} is a sparse encoder of {model.get_embedding_dimension()} "
+            f"train.py: --model {args.model} is a sparse encoder of {dimensions} "
             f"dimensions: FLOPS regularizers {query:g} (queries), {document:g} (documents), reached after "
             f"{warmup} steps (--sparse_warmup_ratio {ratio:.3g})"
         )
@@ -1562,9 +1578,9 @@ class SparsityPenalty:
         total = total + share * (query_weight * query_flops + document_weight * document_flops)
         if stats is not None:
             active = [(column[rows].detach() > 0).sum(-1).double().mean() for column in (anchor, *documents)]
-            stats |= {"query_active_dims": float(active[0]), "query_flops": float(query_flops)}
+            stats |= {"query_active_dims": float(active[0]), "query_flops": float(query_flops.detach())}
             stats |= {"document_active_dims": float(sum(active[1:]) / len(documents))}
-            stats |= {"document_flops": float(document_flops), "sparse_query_weight": query_weight}
+            stats |= {"document_flops": float(document_flops.detach()), "sparse_query_weight": query_weight}
             stats["sparse_document_weight"] = document_weight
         return total
 
@@ -2211,7 +2227,7 @@ def merge_lora_adapters(model):
     the model saves as a plain one, which loads without peft. Training ends here: the adapter is gone."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    for transformer in [module for module in model.modules() if isinstance(module, PreTrainedModel)]:
+    for transformer in transformers_models(model):
         for name, layer in list(transformer.named_modules()):
             if isinstance(layer, BaseTunerLayer):
                 layer.merge()
