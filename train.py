@@ -1756,15 +1756,15 @@ def false_negatives(args, accelerator, batch, known_positives, guide=None):
 
 def guide_representations(args, guide, batch, gather):
     """The guide's representations of every column of the batch, chunk by chunk without gradients, with its
-    own tokenizer and prompts (anchors as its queries, the others as its documents)."""
+    own tokenizer and prompts (anchors as its queries, the others as its documents); a sparse guide's as
+    dense tensors (its encode returns sparse ones)."""
     encode = dict(batch_size=args.chunk_size or 32, convert_to_tensor=True, show_progress_bar=False)
     with torch.no_grad():
-        return [
-            gather(
-                (guide.encode_query if column == "anchor" else guide.encode_document)(texts, **encode).float()
-            )
+        columns = [
+            (guide.encode_query if column == "anchor" else guide.encode_document)(texts, **encode)
             for column, texts in batch.items()
         ]
+    return [gather((reps.to_dense() if reps.is_sparse else reps).float()) for reps in columns]
 
 
 # ---- The optimizer step: non-finite steps skipped and counted, fp16 overflows, DeepSpeed's own step

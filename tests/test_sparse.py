@@ -174,6 +174,7 @@ def test_a_splade_folder_trains_into_a_sparse_encoder_that_stays_sparse(tmp_path
     run = ("--output_dir", tmp_path / "run", "--model", folder, "--data", data[0], "--dev_data", data[1])
     run += ("--batch_size", 8, "--chunk_size", 3, "--max_steps", 6, "--eval_steps", 6, "--lr", 5e-3)
     run += ("--sparse_query_weight", 0.05, "--sparse_document_weight", 0.05, "--sparse_warmup_ratio", 0.5)
+    run += ("--guide_model", folder, "--guide_margin", 0.0)  # a sparse guide: its weights, made dense
     run_main(monkeypatch, *run)
     out = capsys.readouterr().out
     assert f"is a sparse encoder of {vocabulary} dimensions: FLOPS regularizers 0.05 (queries)" in out
@@ -198,6 +199,7 @@ def test_a_splade_folder_trains_into_a_sparse_encoder_that_stays_sparse(tmp_path
     # sentence-transformers' sparse evaluator: the active dimensions of the dev queries and corpus
     assert logged["eval/dev_corpus_active_dims"][-1] < logged["eval/dev_corpus_active_dims"][0]
     assert "eval/dev_dot_ndcg@10" in logged
+    assert 0 < max(logged["train/masked_fraction"]) < 1  # the guide masked some candidates, not all
 
 
 # ---------------------------------------------------------------------------------------------------------
