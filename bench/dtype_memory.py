@@ -23,7 +23,6 @@ import os
 import subprocess
 import sys
 import tempfile
-from functools import partial
 from pathlib import Path
 
 import harness
@@ -73,7 +72,7 @@ def measure(folder, dtype, device, batch_size, chunk_size, max_seq_length):
     model = train.prepare_model(train.load_model(args.model, device, **train.model_options(args)), args)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
-    loss_fn = partial(gradcache.contrastive_loss, scale=args.scale)
+    loss_fn = train.loss_function(args, model)
     columns, inputs = harness.gradcache_inputs(model, harness.text_batch(model, texts, 0, batch_size))
     load_peak = harness.peak_since_window(device)
     before_step = harness.start_peak_window(device)  # a new window: the step's own peak
