@@ -22,8 +22,9 @@ import torch
 from backend_worker import reset_accelerate_state, save_atomically
 
 NUM_STEPS = 3
-LEARNING_RATE = {"shared": 0.5, "towers": 0.5, "decoder": 0.02}  # SGD: each update is the gradient; the
-# decoder (a random Llama) diverges at 0.1, and a diverging run turns rounding into large differences
+LEARNING_RATE = {"shared": 0.5, "towers": 0.5, "decoder": 0.02, "splade": 0.5, "inference-free": 0.5}
+# SGD: each update is the gradient; the decoder (a random Llama) diverges at 0.1, and a diverging run turns
+# rounding into large differences
 PER_PROCESS_BATCH = 8
 UNEVEN_BATCHES = {2: [5, 11], 3: [4, 7, 13]}  # the same global batch, split unevenly over the ranks
 CHUNK_SIZE = 3  # divides no batch: the last chunk of every column is short
@@ -38,6 +39,10 @@ COLUMNS = ("anchor", "positive", "negative_1")
 SECOND_SOURCE = {"columns": COLUMNS[:2], "query_prompt": "find: "}
 WORDS = [f"w{i}" for i in range(60)]
 SEED = 1234
+# The sparse encoders (SparseEncoder, SPLADE): FLOPS weights large enough to matter in the gradients, unequal
+# so that a swap of the two shows, and warmed up over every step: the 3 steps weigh 0, 1/9 and 4/9 of them.
+SPARSE_MODELS = ("splade", "inference-free")
+SPARSITY = {"query_weight": 2e-2, "document_weight": 4e-2, "warmup_ratio": 1.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +50,9 @@ class Row:
     backend: str  # "plain" (one process, no wrapper), "ddp", "zero1", "zero2", "zero3"
     processes: int
     chunking: str  # "size" (--chunk_size), "tokens" (--chunk_tokens), "uneven" (size, uneven batches)
-    model: str  # "shared" (a BERT), "towers" (Router: query and document BERTs), "decoder" (Llama)
+    model: str  # "shared" (a BERT), "towers" (Router: query and document BERTs), "decoder" (Llama),
+    # "splade" (a SparseEncoder: BERT's masked-language-model head, max pooled), "inference-free" (a
+    # SparseEncoder Router: static query weights, the SPLADE BERT for documents)
     loss: str  # "one-way", "symmetric", "matryoshka"
     adapter: str  # "none", "lora", "checkpointing"
     cross: bool  # --cross_process_negatives
@@ -97,6 +104,10 @@ def flags(row, model_folder, guide_folder=None):
     if row.extra == "distilled":  # the second source has no teacher scores
         chosen += ["--distill_weight", DISTILLATION["weight"], *([0] if row.sources == 2 else [])]
         chosen += ["--distill_temperature", DISTILLATION["temperature"]]
+    if row.model in SPARSE_MODELS:
+        chosen += ["--sparse_query_weight", SPARSITY["query_weight"]]
+        chosen += ["--sparse_document_weight", SPARSITY["document_weight"]]
+        chosen += ["--sparse_warmup_ratio", SPARSITY["warmup_ratio"]]
     return [str(flag) for flag in chosen]
 
 
@@ -213,6 +224,14 @@ def accelerator_for(row):
     return Accelerator(cpu=True, kwargs_handlers=handlers)
 
 
+@dataclasses.dataclass
+class AppliedUpdates:
+    """What SparsityPenalty reads the step from, as it reads train.py's learning rate schedule: the optimizer
+    steps done so far (`last_epoch`)."""
+
+    last_epoch: int = 0
+
+
 def run_row(row, model_folder, out_dir, guide_folder):
     import train
 
@@ -231,7 +250,11 @@ def run_row(row, model_folder, out_dir, guide_folder):
     engine.train()
     chunking = {"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {"chunk_size": args.chunk_size}
     budget = train.GraphBudget(args.graph_budget, accelerator)
-    loss_fns = [train.loss_function(source, model) for source in sources]
+    updates = AppliedUpdates()
+    penalty = None  # a sparse encoder's FLOPS regularizers, warmed up over NUM_STEPS steps
+    if row.model in SPARSE_MODELS:
+        penalty = train.SparsityPenalty.of(args, model, updates, NUM_STEPS, say=lambda *_: None)
+    loss_fns = [train.loss_function(source, model, penalty) for source in sources]
     losses, chunks, masked, kept = [], [], [], []
     for step, batch in enumerate(global_batches(row)):
         source = source_of_step(row, step)
@@ -256,6 +279,7 @@ def run_row(row, model_folder, out_dir, guide_folder):
         )
         optimizer.step()  # a no-op under DeepSpeed, which stepped inside the last accelerator.backward
         optimizer.zero_grad()
+        updates.last_epoch += 1
         losses.append(report.loss.item())
         chunks.append(report.num_chunks)
         kept.append((report.kept_groups, report.num_reencoded))

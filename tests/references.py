@@ -272,8 +272,10 @@ def masked_contrastive_loss(anchor, positive, *negatives, scale=20.0, symmetric=
 
 def reference_objective(anchor, positive, *negatives, texts, in_batch=True, symmetric=False,
                         matryoshka_dims=None, scale=20.0, positives_of=None, margin=None, teacher=None,
-                        distill_weight=1.0, temperature=1.0, guide=None, guide_margin=0.0):  # fmt: skip
-    """Every loss of train.py on cosine scores, from the definitions, through the materialized score matrix.
+                        distill_weight=1.0, temperature=1.0, guide=None, guide_margin=0.0,
+                        similarity="cos"):  # fmt: skip
+    """Every loss of train.py on cosine scores (or dot products: `similarity="dot"`, no normalization), from
+    the definitions, through the materialized score matrix.
 
     Each anchor's candidates are every positive and hard negative of the batch (`in_batch`), or only its
     own positive and hard negatives. A candidate other than its own positive is masked, entry by entry, when
@@ -341,10 +343,13 @@ def reference_objective(anchor, positive, *negatives, texts, in_batch=True, symm
         )
         return (loss + reverse) / 2
 
+    def unit(column):
+        return F.normalize(column, dim=-1) if similarity == "cos" else column
+
     dims = matryoshka_dims or [anchor.shape[-1]]
-    loss = sum(one_size(*[F.normalize(column[:, :dim], dim=-1) for column in columns]) for dim in dims)
+    loss = sum(one_size(*[unit(column[:, :dim]) for column in columns]) for dim in dims)
     if teacher is not None:
-        anchor, *candidates = [F.normalize(column, dim=-1) for column in columns]
+        anchor, *candidates = [unit(column) for column in columns]
         student = torch.stack([scale * (anchor * column).sum(-1) for column in candidates], 1) / temperature
         target = torch.softmax(torch.as_tensor(teacher, dtype=student.dtype) / temperature, dim=1)
         kl = (target * (target.log() - torch.log_softmax(student, dim=1))).sum(1)

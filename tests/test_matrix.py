@@ -13,17 +13,28 @@ tests/references.py's `reference_objective` instead: plain autograd on the mater
 entry by entry from the texts, the same in every other respect. The reference shares the batches
 (`global_batches`, `shard`) and, for masked rows, the guide model's folder with the run; nothing else.
 
+The sparse encoders (models "splade" and "inference-free", SparseEncoder; rows trained with train.py's
+SparsityPenalty at SPARSITY's FLOPS weights, warmed up over the NUM_STEPS steps) are compared with
+sentence-transformers' SpladeLoss over SparseMultipleNegativesRankingLoss (dot products at scale 1; its
+symmetric form as above), loaded as a SparseEncoder, each step's regularizer weights set by
+sentence-transformers' own SpladeRegularizerWeightSchedulerCallback (warmup_ratio 1: 0, 1/9, 4/9 of them);
+on the global batch with cross-process negatives, else on each shard, averaged. Their masked and distilled
+rows take `reference_objective` on dot products at scale 1 plus sentence-transformers' FlopsLoss of the
+anchors and of the positives and hard negatives, at the callback's weights.
+
 The reference runs twice, in float64 (the truth) and in float32; the reported losses and the weight updates
 after the last step must be as close to the float64 truth as references.py's rule allows
 (4 x the float32 reference's own distance + 1e-6), and the same run with its updates scaled by 1 + 1e-3 must
 fail that rule, and so must the run against the reference of the other partition (cross-process negatives
-or each rank's own shard; rows with in-batch negatives, where it matters): the negative controls. `-s` prints
-each row's errors beside the float32 reference's.
+or each rank's own shard; rows with in-batch negatives, where it matters), and, for a sparse row, the run
+against the reference without the FLOPS terms: the negative controls. `-s` prints each row's errors beside
+the float32 reference's.
 
 The rows are a pairwise covering: every pair of values of two dimensions appears in some row
 (`test_rows_cover_every_pair`), except pairs that cannot exist: "plain" runs one process, DDP two or more,
 and uneven batch sizes need two processes or more; group-only negatives have no symmetric direction and
-no cross-process candidates. The first three rows and the seventh are the defects that issue 15
+no cross-process candidates; a sparse encoder takes neither Matryoshka nor group-only negatives (train.py
+refuses them). The first three rows and the seventh are the defects that issue 15
 found in combinations; before its fix they crashed (gloo: "collective mismatch"), hung, trained wrong
 weights without a word (update off by 100%), and crashed (DDP: "marked as ready twice"). This table is
 the list of what is supported together; the README points here.
@@ -51,8 +62,11 @@ from matrix_worker import (
     GUIDE,
     LEARNING_RATE,
     MATRYOSHKA_DIMS,
+    NUM_STEPS,
     SECOND_SOURCE,
     SEED,
+    SPARSE_MODELS,
+    SPARSITY,
     Row,
     global_batches,
     positives_in_data,
@@ -67,7 +81,7 @@ DIMENSIONS = {
     "backend": ("plain", "ddp", "zero1", "zero2", "zero3"),
     "processes": (1, 2, 3),
     "chunking": ("size", "tokens", "uneven"),
-    "model": ("shared", "towers", "decoder"),
+    "model": ("shared", "towers", "decoder", "splade", "inference-free"),
     "loss": ("one-way", "symmetric", "matryoshka"),
     "adapter": ("none", "lora", "checkpointing"),
     "cross": (False, True),
@@ -106,9 +120,28 @@ ROWS = [Row(*fields) for fields in [
     ("ddp",   2, "uneven", "decoder", "symmetric",  "lora", True, "in-batch", "distilled", 2, "some"),
     ("plain", 1, "size",   "decoder", "symmetric",  "none", True, "in-batch", "none", 2, "none"),
     ("zero2", 1, "tokens", "towers",  "symmetric",  "none", False, "in-batch", "distilled", 2, "some"),
+    # the sparse encoders (SPLADE's FLOPS regularizers): every backend, each
+    ("plain", 1, "tokens", "splade", "one-way", "lora", True, "in-batch", "masked", 2, "some"),
+    ("ddp", 2, "uneven", "splade", "symmetric", "checkpointing", False, "in-batch", "none", 1, "all"),
+    ("zero1", 3, "size", "splade", "one-way", "none", True, "in-batch", "distilled", 1, "none"),
+    ("zero2", 2, "tokens", "splade", "symmetric", "lora", True, "in-batch", "none", 2, "none"),
+    ("zero3", 2, "uneven", "splade", "one-way", "checkpointing", True, "in-batch", "none", 1, "some"),
+    ("plain", 1, "size", "inference-free", "symmetric",
+     "checkpointing", False, "in-batch", "distilled", 1, "all"),
+    ("ddp", 3, "tokens", "inference-free", "one-way", "lora", True, "in-batch", "none", 2, "some"),
+    ("zero1", 2, "uneven", "inference-free", "symmetric", "none", False, "in-batch", "masked", 1, "none"),
+    ("zero2", 2, "size", "inference-free", "one-way",
+     "checkpointing", True, "in-batch", "distilled", 2, "none"),
+    ("zero3", 2, "tokens", "inference-free", "one-way", "none", True, "in-batch", "none", 1, "all"),
 ]]
 # fmt: on
-MODEL_KINDS = {"shared": "mean", "towers": "router", "decoder": "decoder"}
+MODEL_KINDS = {
+    "shared": "mean",
+    "towers": "router",
+    "decoder": "decoder",
+    "splade": "splade",
+    "inference-free": "inference-free",
+}
 
 
 def possible(values):
@@ -120,6 +153,9 @@ def possible(values):
         return False  # without in-batch negatives there is no reverse direction, nor other processes' rows
     if values.get("negatives") == "group" and values.get("budget") not in (None, "none"):
         return False  # group_step keeps no graphs: each chunk of rows is back-propagated as it is encoded
+    if values.get("model") in SPARSE_MODELS and (values.get("loss"), values.get("negatives")) != (None, None):
+        if values.get("loss") == "matryoshka" or values.get("negatives") == "group":
+            return False  # train.py refuses them for a sparse encoder (check_sparse_flags)
     return not (chunking == "uneven" and (processes == 1 or backend == "plain"))
 
 
@@ -185,11 +221,47 @@ def sentence_transformers_loss(row, model):
     return MultipleNegativesRankingLoss(model)
 
 
-def independent_loss(row, model, batch, guide, positives_of, in_batch):
+def sparse_loss(row, model):
+    """A sparse row's loss from sentence-transformers: SpladeLoss over SparseMultipleNegativesRankingLoss
+    (dot products at scale 1; both directions, each normalized apart, where the row is symmetric), with
+    FLOPS regularizers of the row's maximal weights, which `regularizer_weights` then warms up."""
+    from sentence_transformers.sparse_encoder.losses import SparseMultipleNegativesRankingLoss, SpladeLoss
+
+    options = {}
+    if row.loss == "symmetric":
+        options = dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction")
+    return SpladeLoss(
+        model,
+        SparseMultipleNegativesRankingLoss(model, scale=1.0, **options),
+        document_regularizer_weight=SPARSITY["document_weight"],
+        query_regularizer_weight=SPARSITY["query_weight"],
+    )
+
+
+def regularizer_weights(splade):
+    """Each step's (query, document) FLOPS weights, as sentence-transformers' own callback sets them on
+    `splade` (a SpladeLoss) at the start of each step of a trainer of NUM_STEPS steps."""
+    from sentence_transformers.sparse_encoder.callbacks import SpladeRegularizerWeightSchedulerCallback
+    from transformers import TrainerControl, TrainerState
+
+    callback = SpladeRegularizerWeightSchedulerCallback(splade, warmup_ratio=SPARSITY["warmup_ratio"])
+    state = TrainerState(max_steps=NUM_STEPS, global_step=0)
+    callback.on_train_begin(None, state, TrainerControl())
+    for step in range(NUM_STEPS):
+        state.global_step = step
+        callback.on_step_begin(None, state, TrainerControl())
+        yield splade.query_regularizer_weight, splade.document_regularizer_weight
+
+
+def independent_loss(row, model, batch, guide, positives_of, in_batch, flops_weights=None):
     """For the rows sentence-transformers has no loss for (masks, distillation, no in-batch negatives):
     tests/references.py's, on the model's representations of the batch, masks read from the texts and the
     guide's scores ("masked" rows; encoded in train.py's batches, so that its scores are the same numbers).
-    positives_of: what the data (the global batch) says is right for each anchor."""
+    positives_of: what the data (the global batch) says is right for each anchor. A sparse encoder's scores
+    are dot products at scale 1, and `flops_weights` (query, document) add sentence-transformers' FlopsLoss
+    of the anchors and of the positives and hard negatives together."""
+    from sentence_transformers.sparse_encoder.losses import FlopsLoss
+
     columns = [column for column in COLUMNS if column in batch]  # a step of the second source: pairs
     guide_reps = None
     if row.extra == "masked":
@@ -202,9 +274,11 @@ def independent_loss(row, model, batch, guide, positives_of, in_batch):
                 for column in columns
             ]
 
+    sparse = row.model in SPARSE_MODELS
+
     def loss(features, labels):
         reps = [model(dict(f))["sentence_embedding"] for f in features]
-        return reference_objective(
+        objective = reference_objective(
             *reps,
             texts=[batch[column] for column in columns],
             in_batch=in_batch,
@@ -217,7 +291,15 @@ def independent_loss(row, model, batch, guide, positives_of, in_batch):
             temperature=DISTILLATION["temperature"],
             guide=guide_reps,
             guide_margin=GUIDE["margin"],
+            scale=1.0 if sparse else 20.0,
+            similarity="dot" if sparse else "cos",
         )
+        if flops_weights is None:
+            return objective
+        (query_weight, document_weight), flops = flops_weights, FlopsLoss(model)
+        documents = flops.compute_loss_from_embeddings(torch.cat(reps[1:]))
+        queries = flops.compute_loss_from_embeddings(reps[0])
+        return objective + query_weight * queries + document_weight * documents
 
     return loss
 
@@ -225,14 +307,18 @@ def independent_loss(row, model, batch, guide, positives_of, in_batch):
 def reference_model(row, model_folder, dtype):
     """The row's model from sentence-transformers and peft alone, none of train.py's code: loaded, a LoRA
     adapter of rank 4 (alpha 8, every linear layer, no dropout: train.py's defaults for --lora_r 4) seeded
-    as the worker seeds it, non-reentrant gradient checkpointing, in `dtype`, in training mode. The model's
-    own similarity (cosine) is what sentence-transformers' losses score with."""
+    as the worker seeds it, on each outermost transformers model (a SPLADE's BertForMaskedLM, not the
+    BertModel inside it), non-reentrant gradient checkpointing, in `dtype`, in training mode. The model's
+    own similarity (cosine; a sparse encoder's: dot product) is what sentence-transformers' losses score
+    with. A sparse row's model loads as a SparseEncoder."""
     from peft import LoraConfig
-    from sentence_transformers import SentenceTransformer
+    from sentence_transformers import SentenceTransformer, SparseEncoder
     from transformers import PreTrainedModel
 
-    model = SentenceTransformer(model_folder, device="cpu")
-    transformers = [module for module in model.modules() if isinstance(module, PreTrainedModel)]
+    model = (SparseEncoder if row.model in SPARSE_MODELS else SentenceTransformer)(model_folder, device="cpu")
+    found = [module for module in model.modules() if isinstance(module, PreTrainedModel)]
+    inner = {id(sub) for module in found for sub in module.modules() if sub is not module}
+    transformers = [module for module in found if id(module) not in inner]  # SPLADE's: BertForMaskedLM
     torch.manual_seed(SEED)  # LoRA's initial A, drawn in the same order as the worker's
     for transformer in transformers:
         if row.adapter == "lora":
@@ -242,12 +328,15 @@ def reference_model(row, model_folder, dtype):
     return model.to(dtype).train()
 
 
-def reference_run(row, model_folder, guide_folder, dtype=torch.float64, cross=None):
+def reference_run(row, model_folder, guide_folder, dtype=torch.float64, cross=None, regularized=True):
     """Losses of each rank at each step, and the trained weights: one process, the global batch, unchunked,
     in `dtype` (the guide, which only decides masks, stays float32). A step of the second source (rows of
     two) has its columns and in-batch negatives, and its query prompt written before each anchor here, as
     sentence-transformers' prompt is a prefix of the text. `cross` (default: the row's) chooses between
-    every rank's rows against the global batch and each rank's loss on its own shard."""
+    every rank's rows against the global batch and each rank's loss on its own shard. A sparse row's loss is
+    SpladeLoss (`sparse_loss`), its FLOPS weights warmed up by sentence-transformers' callback, or
+    references.py's objective plus FlopsLoss; `regularized=False` drops the FLOPS terms (a negative
+    control)."""
     from sentence_transformers import SentenceTransformer
 
     cross = row.cross if cross is None else cross
@@ -258,22 +347,31 @@ def reference_run(row, model_folder, guide_folder, dtype=torch.float64, cross=No
         [p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE[row.model]
     )
     losses = [[] for _ in range(row.processes)]
-    for step, batch in enumerate(global_batches(row)):
+    sparse = row.model in SPARSE_MODELS
+    splade = sparse_loss(row, model) if sparse else None
+    schedule = regularizer_weights(splade) if sparse else [None] * NUM_STEPS
+    for (step, batch), weights in zip(enumerate(global_batches(row)), schedule, strict=True):
         second_source = source_of_step(row, step) == 1
         in_batch = second_source or row.negatives == "in-batch"
         prompt = SECOND_SOURCE["query_prompt"] if second_source else ""
         parts = [batch] if cross else [shard(batch, row, rank) for rank in range(row.processes)]
         part_losses = []
         for part in parts:
-            if in_batch and row.extra == "none":
+            if in_batch and row.extra == "none" and sparse:
+                loss = splade  # SpladeLoss: a dict of its terms
+            elif in_batch and row.extra == "none":
                 loss = sentence_transformers_loss(row, model)
             else:
-                loss = independent_loss(row, model, part, guide, positives_in_data(batch), in_batch)
+                flops = weights if regularized else None
+                loss = independent_loss(row, model, part, guide, positives_in_data(batch), in_batch, flops)
             features = [
                 model.preprocess([prompt + text for text in part["anchor"]], task="query"),
                 *(model.preprocess(part[c], task="document") for c in COLUMNS[1:] if c in part),
             ]
-            part_losses.append(loss(features, labels=None))
+            value = loss(features, labels=None)
+            if isinstance(value, dict):  # SpladeLoss's terms; without its regularizers, the contrastive ones
+                value = sum(v for k, v in value.items() if regularized or not k.endswith("regularizer_loss"))
+            part_losses.append(value)
         for rank in range(row.processes):
             losses[rank].append(part_losses[0 if cross else rank].item())
         optimizer.zero_grad()
@@ -325,6 +423,11 @@ def test_row_matches_sentence_transformers_on_the_global_batch(row, runs, model_
         other = Measured(*reference_run(row, folder, guide_folder, torch.float64, cross=not row.cross))
         wrong = Exactness(relative_error(run.updates[0], other.updates), update.e_ref)
         assert not wrong.holds, f"the run matches the other partition's reference: {wrong}"
+    if row.model in SPARSE_MODELS:  # the FLOPS regularizers matter: the reference without them is another
+        bare = Measured(*reference_run(row, folder, guide_folder, torch.float64, regularized=False))
+        wrong = Exactness(relative_error(run.updates[0], bare.updates), update.e_ref)
+        print(f"{row.name}: against the reference without FLOPS terms, update {wrong}")
+        assert not wrong.holds, f"the run matches the reference without FLOPS regularizers: {wrong}"
     # Every rank ran the same number of chunk passes per step: the collectives of ZeRO-2/3 line up.
     assert len({tuple(run["chunks"]) for run in ranks}) == 1
     # The budget kept what the row says, the same on every rank: all groups (none re-encoded), some, or the
