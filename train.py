@@ -1573,7 +1573,7 @@ class SparsityPenalty:
         total = loss(anchor, *documents, local_rows=local_rows, stats=stats, **options)
         rows = slice(0, len(anchor)) if local_rows is None else local_rows
         share = len(range(*rows.indices(len(anchor)))) / len(anchor)  # this process's rows of the batch
-        query_flops, document_flops = flops(anchor), flops(torch.cat(documents))
+        query_flops, document_flops = flops(anchor), flops(*documents)
         query_weight, document_weight = self.weights()
         total = total + share * (query_weight * query_flops + document_weight * document_flops)
         if stats is not None:
@@ -1585,10 +1585,12 @@ class SparsityPenalty:
         return total
 
 
-def flops(weights):
-    """sum_j (mean_i w_ij)^2: the FLOPS regularizer of a batch of sparse representations (no |.|: SPLADE's
-    weights are >= 0), sentence-transformers' FlopsLoss without a threshold."""
-    return weights.mean(dim=0).square().sum()
+def flops(*columns):
+    """sum_j (mean_i w_ij)^2 over the rows of all `columns` together: the FLOPS regularizer of a batch of
+    sparse representations (no |.|: SPLADE's weights are >= 0), sentence-transformers' FlopsLoss without a
+    threshold. Summed column by column: joining them would copy B x vocabulary floats per column."""
+    mean = sum(column.sum(dim=0) for column in columns) / sum(len(column) for column in columns)
+    return mean.square().sum()
 
 
 def positives_by_anchor(*train_sets):

@@ -609,11 +609,94 @@ def measure_guide_memory(runs, device):
     return points
 
 
+def build_splade_model(folder, hidden_size=32, num_layers=2):
+    """A SPLADE model saved as a SparseEncoder in `folder`: a small random BERT with its masked-language-model
+    head over all-MiniLM-L6-v2's WordPiece vocabulary (30,522 tokens, its tokenizer), SpladePooling("max").
+    The representations are as wide as SPLADE-v3's (the vocabulary); the encoder is small, so that batches
+    of thousands take a minute: the claim is about what the batch adds, not about the encoder."""
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.sentence_transformer.modules import Transformer
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path())
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        intermediate_size=2 * hidden_size,
+    )
+    BertForMaskedLM(config).save_pretrained(Path(folder) / "bert")
+    tokenizer.save_pretrained(Path(folder) / "bert")
+    modules = [Transformer(str(Path(folder) / "bert"), transformer_task="fill-mask"), SpladePooling("max")]
+    SparseEncoder(modules=modules).save(str(Path(folder) / "model"))
+    return Path(folder) / "model"
+
+
+def measure_sparse_step_memory(batch_size, chunk_size, device, warmup_batch=8):
+    """Peak memory of one training step of a SPLADE model (build_splade_model) as train.py runs it: loaded
+    and prepared by train.py, its loss train.loss_function's with the FLOPS regularizers at full weight
+    (train.SparsityPenalty), through gradcache_step, AdamW included, above the state just before it (as
+    measure_step_memory: a tiny step has run, its gradients released). What the batch itself must hold is
+    reported apart: its representations (stage 1's cache) and their gradients (stage 2's), B x columns x
+    vocabulary fp32 each; the rest is what the step adds beyond them."""
+    import tempfile
+    import types
+
+    import train
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = build_splade_model(folder)
+        args = train.parse_args(["--model", str(path), "--data", "unused.jsonl"])
+        model = train.prepare_model(train.load_model(args.model, device, say=lambda *_: None), args)
+    after_warmup = types.SimpleNamespace(last_epoch=1)  # one step of one: the regularizers at full weight
+    penalty = train.SparsityPenalty.of(args, model, after_warmup, 1, say=lambda _: None)
+    stats = {}
+    loss_fn = partial(train.loss_function(args, model, penalty), stats=stats)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5)
+    texts = load_texts(batch_size + warmup_batch, repeat=True)
+
+    def step(start, rows):
+        columns, inputs = gradcache_inputs(model, text_batch(model, texts, start, rows))
+        gradcache_step(model, columns, loss_fn, chunk_size=chunk_size, **inputs)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step(batch_size, warmup_batch)
+    longest = longest_text(text_batch(model, texts, 0, batch_size))
+    synchronize(device)
+    baseline = start_peak_window(device)
+    started = time.perf_counter()
+    step(0, batch_size)
+    synchronize(device)
+    seconds, peak = time.perf_counter() - started, peak_since_window(device) - baseline
+    vocabulary = model[0].auto_model.config.vocab_size
+    batch_bytes = batch_size * len(COLUMNS) * vocabulary * 4  # fp32: the cache, then its gradients
+    return {
+        "batch_size": batch_size,
+        "chunk_size": chunk_size,
+        "vocabulary": vocabulary,
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "longest_text_tokens": longest,
+        "seconds": seconds,
+        "baseline_bytes": baseline,
+        "step_peak_bytes": peak,
+        "representation_bytes": batch_bytes,
+        "representation_gradient_bytes": batch_bytes,
+        "beyond_batch_bytes": peak - 2 * batch_bytes,
+        "query_active_dims": stats["query_active_dims"],
+        "document_active_dims": stats["document_active_dims"],
+    }
+
+
 WORKERS = {
     "step_memory": measure_step_memory,
     "loss_memory": measure_loss_memory,
     "masked_loss_memory": measure_masked_loss_memory,
     "guide_memory": measure_guide_memory,
+    "sparse_step_memory": measure_sparse_step_memory,
 }
 
 

@@ -1,6 +1,6 @@
 """Benchmark 5: how far the batch goes, and what the loss stage costs on the way, false-negative masks on.
 
-Six parts, on anchor, positive and hard-negative columns (d = 384 representations):
+Seven parts, on anchor, positive and hard-negative columns (d = 384 representations):
 
     a. steps   peak memory of one full training step of gradcache_step (AdamW included) from batch 64 up,
                on data/wordnet_train.jsonl.gz; each point in a fresh process (CPU) as in bench/memory.py,
@@ -40,6 +40,14 @@ Six parts, on anchor, positive and hard-negative columns (d = 384 representation
                and group_step at the smaller batch in one chunk (chunk = batch) for contrast; each point
                in a fresh process (the smoke preset: one process, the cut model). One chunk if the peak
                stays flat as the batch grows, below the batch in one chunk.
+    g. sparse  peak memory of one training step of a SPLADE model (harness.build_splade_model: a small random
+               BERT with its masked-language-model head over MiniLM's 30,522-token vocabulary,
+               SpladePooling("max")) as train.py trains it: its contrastive loss with the FLOPS regularizers
+               (train.loss_function, train.SparsityPenalty) through gradcache_step, chunks of --chunk_size
+               rows, AdamW included, at two batch sizes, each in a fresh process on CPU. Representations are
+               vocabulary-sized: the batch's own (stage 1's cache) and their gradients (stage 2's) are
+               B x columns x 30,522 fp32 each, reported apart; what the step holds beyond them should not
+               grow with the batch.
 
     python bench/scale.py                             # CPU: to 65,536; about 55 min on 2 quiet cores (est.)
     python bench/scale.py --device cuda --preset gpu  # one H200: to 1,048,576, full model; 10-15 min (est.)
@@ -98,6 +106,9 @@ PRESETS = {
         "group_batch_sizes": [128, 1024],
         "group_one_process": False,
         "group_layers": None,
+        # g: about 40 s at 1024 and 3 min at 4096 on 2 cores (the 30,522-wide head on every token)
+        "sparse_batch_sizes": [1024, 4096],
+        "sparse_one_process": False,
     },
     "gpu": {
         "step_batch_sizes": [4**k for k in range(3, 11)],  # 64 .. 1,048,576
@@ -118,6 +129,8 @@ PRESETS = {
         "group_batch_sizes": [1024, 16384],
         "group_one_process": True,
         "group_layers": None,
+        "sparse_batch_sizes": [1024, 4096],
+        "sparse_one_process": True,
     },
     # the test suite's: one step of the cut model, and a loss batch where the materialized loss does not
     # fit under a small cap (it needs about 108 MiB; the tiled one, with 2048 x 2048 tiles, 55 MiB)
@@ -140,6 +153,8 @@ PRESETS = {
         "group_batch_sizes": [16, 32],
         "group_one_process": True,
         "group_layers": 1,  # seconds: the memory's shape, not its size
+        "sparse_batch_sizes": [16, 32],
+        "sparse_one_process": True,
     },
 }
 DIM, NUM_COLUMNS = 384, 3
@@ -171,10 +186,14 @@ parser.add_argument("--group_batch_sizes", type=int, nargs=2, help="the two batc
 parser.add_argument(
     "--group_one_process", action="store_true", default=None, help="part f's runs in one process"
 )
+parser.add_argument("--sparse_batch_sizes", type=int, nargs=2, help="the two batches of part g")
+parser.add_argument(
+    "--sparse_one_process", action="store_true", default=None, help="part g's runs in one process"
+)
 parser.add_argument(
     "--parts",
     nargs="+",
-    choices="abcdef",
+    choices="abcdefg",
     help="run only these parts again (e.g. d e); the others stay as the saved json has them, each part "
     "with the commit and date of its own run",
 )
@@ -317,6 +336,25 @@ def measure_group(args):
     return points
 
 
+def measure_sparse(args):
+    """A SPLADE step at both batches, each in a fresh process on CPU unless --sparse_one_process (the
+    smoke's: train.py's imports take seconds in each process)."""
+    points = []
+    for batch_size in args.sparse_batch_sizes:
+        kwargs = dict(batch_size=batch_size, chunk_size=args.chunk_size)
+        if args.sparse_one_process:
+            point = harness.measure_sparse_step_memory(device=args.device, **kwargs)
+        else:
+            point = measure_point(args, "sparse_step_memory", **kwargs)
+        points.append(point)
+        print(
+            f"sparse step batch {batch_size:>6}: {harness.mib(point['step_peak_bytes'])} MiB, "
+            f"{harness.mib(point['beyond_batch_bytes'])} MiB beyond the representations and their gradients",
+            flush=True,
+        )
+    return points
+
+
 PARTS = {  # --parts: each part's key in the results, and the function that measures it
     "a": ("steps", measure_steps),
     "b": ("loss_memory", measure_loss_memory),
@@ -324,6 +362,7 @@ PARTS = {  # --parts: each part's key in the results, and the function that meas
     "d": ("masked_loss_memory", measure_masked_loss),
     "e": ("guide_memory", measure_guide),
     "f": ("group_memory", measure_group),
+    "g": ("sparse_memory", measure_sparse),
 }
 
 
@@ -566,6 +605,51 @@ def group_table(points, args):
     )
 
 
+def sparse_table(points, args):
+    rows = [
+        [
+            point["batch_size"],
+            point["chunk_size"],
+            point["longest_text_tokens"],
+            harness.mib(point["step_peak_bytes"]),
+            harness.mib(point["representation_bytes"]),
+            harness.mib(point["representation_gradient_bytes"]),
+            harness.mib(point["beyond_batch_bytes"]),
+            f"{point['query_active_dims']:,.0f} / {point['document_active_dims']:,.0f}",
+            f"{point['seconds']:.0f}",
+        ]
+        for point in points
+    ]
+    on_cuda = getattr(args, "sparse_one_process", False) or args.device.startswith("cuda")
+    where = "every point in one process" if on_cuda else "each point in a fresh process"
+    vocabulary = points[0]["vocabulary"] if points else 0
+    return "\n\n".join(
+        [
+            "g. One training step (AdamW included) of a SPLADE model, a small random BERT with its "
+            f"masked-language-model head over a {vocabulary:,}-token vocabulary and SpladePooling, as "
+            "train.py trains it (contrastive loss, dot product, FLOPS regularizers at full weight), chunks "
+            f"of rows: peak above the process before it, {where}. The batch's representations (stage 1's "
+            "cache) and their gradients (stage 2's) are batch x 3 x vocabulary fp32 each; the step's memory "
+            "beyond them is the last memory column. The active dimensions are those of the random model "
+            "before training.",
+            harness.markdown_table(
+                [
+                    "batch",
+                    "chunk (rows)",
+                    "longest text (tokens)",
+                    "step peak (MiB)",
+                    "representations (MiB)",
+                    "their gradients (MiB)",
+                    "beyond both (MiB)",
+                    "active dimensions, query / document",
+                    "seconds (one step)",
+                ],
+                rows,
+            ),
+        ]
+    )
+
+
 def plot(results, args, path):
     figure, (steps_axes, loss_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
     steps = [point for point in results["steps"] if point["fits"]]
@@ -617,6 +701,8 @@ def table(results, args):
         tables.append(guide_table(results["guide_memory"], args))
     if "group_memory" in results:  # results saved before part f have none
         tables.append(group_table(results["group_memory"], args))
+    if "sparse_memory" in results:  # results saved before part g have none
+        tables.append(sparse_table(results["sparse_memory"], args))
     return "\n\n".join(tables)
 
 

@@ -276,6 +276,16 @@ def test_scale_cut_model_step_and_loss_stage_under_a_cap(smoke_run):
     ]  # fmt: skip
     assert all(point["fits"] and point["step_peak_bytes"] > 0 for point in results["group_memory"])
     assert "f. One training step" in markdown
+    # g: a SPLADE step as train.py trains it at two batches: vocabulary-sized representations, counted apart
+    sparse = results["sparse_memory"]
+    assert [point["batch_size"] for point in sparse] == settings["sparse_batch_sizes"]
+    for point in sparse:
+        assert point["vocabulary"] == 30522 and point["step_peak_bytes"] > 0
+        assert point["representation_bytes"] == point["batch_size"] * 3 * 30522 * 4
+        assert point["beyond_batch_bytes"] == point["step_peak_bytes"] - 2 * point["representation_bytes"]
+        # the active dimensions of the representations, counted by the loss: some, at most the vocabulary
+        assert 0 < point["query_active_dims"] <= 30522 and 0 < point["document_active_dims"] <= 30522
+    assert "g. One training step" in markdown and "beyond both (MiB)" in markdown
 
 
 def test_scale_runs_some_parts_again_and_keeps_the_others_with_their_own_provenance(smoke_run, tmp_path):
@@ -288,12 +298,12 @@ def test_scale_runs_some_parts_again_and_keeps_the_others_with_their_own_provena
     again, markdown = run_script("scale", tmp_path, "--parts", "d")
     assert again["provenance"]["date"] != first_run["date"]
     assert again["part_provenance"]["masked_loss_memory"] == again["provenance"]
-    others = ("steps", "loss_memory", "loss_time", "guide_memory", "group_memory")
+    others = ("steps", "loss_memory", "loss_time", "guide_memory", "group_memory", "sparse_memory")
     assert all(again["part_provenance"][part] == first_run for part in others)
     assert all(again["results"][part] == saved["results"][part] for part in others)
     variants = [point["variant"] for point in again["results"]["masked_loss_memory"]]
     assert variants == saved["settings"]["mask_variants"]
-    assert "- parts steps, loss_memory, loss_time, guide_memory, group_memory:" in markdown
+    assert "- parts steps, loss_memory, loss_time, guide_memory, group_memory, sparse_memory:" in markdown
     assert "0000000" in markdown
     assert "- parts masked_loss_memory:" in markdown
     with pytest.raises(SystemExit, match="holds none"):  # nothing saved to keep: every part must run
