@@ -962,7 +962,7 @@ def distillation(student, teacher, temperature):
 def info_nce(anchor, positive, *negatives, scale, symmetric, rows, tile_size, false_negatives, counts, hits):
     """L of `contrastive_loss` on representations as they are (already normalized for cosine)."""
     first_row = rows.start or 0  # the global index of the first local row is also that of its positive
-    candidates = torch.cat([positive, *negatives])
+    candidates = [positive, *negatives]  # not joined: a copy of them, vocabulary-sized for a sparse model
     masks = [None, None]
     if false_negatives is not None:
         masks = false_negatives.tile_masks(anchor, positive, len(negatives), rows, scale)
@@ -1116,10 +1116,13 @@ class TileMask:
 
 # --- Tiles: the B x N scores, never held at once ---------------------------------------------------------
 def tiled_cross_entropy(queries, keys, first_target, scale, tile_size=None, mask=None, hits=None):
-    """Per row i: LSE_j(s_ij) - s_i,t(i), s_ij = tau <q_i, k_j>, t(i) = first_target + i; never B x N. A
-    `TileMask` leaves entries out (never targets); `hits` ([rows whose target scores highest, rows]) adds."""
-    tile_size = tile_size or default_tile_size(len(queries), len(keys))
-    return TiledCrossEntropy.apply(queries, keys, int(first_target), float(scale), int(tile_size), mask, hits)
+    """Per row i: LSE_j(s_ij) - s_i,t(i), s_ij = tau <q_i, k_j>, t(i) = first_target + i; never B x N. The
+    keys: a tensor, or a list of them taken as its rows one after the other. A `TileMask` leaves entries
+    out (never targets); `hits` ([rows whose target scores highest, rows]) adds."""
+    blocks = [keys] if torch.is_tensor(keys) else list(keys)
+    tile_size = tile_size or default_tile_size(len(queries), sum(map(len, blocks)))
+    settings = int(first_target), float(scale), int(tile_size), mask, hits
+    return TiledCrossEntropy.apply(queries, *settings, *blocks)
 
 
 def default_tile_size(rows, columns):
@@ -1138,19 +1141,19 @@ class TiledCrossEntropy(torch.autograd.Function):
                the tile that holds them. Output: ce_i = log l_i - (s_i,t(i) - m_i) = LSE_i - s_i,t(i).
     Backward:  with g_i = dL/dce_i, the tiles are recomputed: P_IJ = exp(S_IJ - m_I) / l_I (the softmax),
                G_IJ = g_I (P_IJ - Y_IJ), and  dQ_I += tau G_IJ K_J,   dK_J += G_IJ^T (tau Q_I).
-    Memory: Q, K, their gradients, m and l per row (LSE = m + log l would round to its magnitude) and one
-    tile; compute: four score-sized products, not three. P - Y in the tile: a one-hot row keeps its digits."""
+    Memory: Q, K (its blocks as given: never joined), their gradients, m and l per row (LSE = m + log l
+    would round to its magnitude) and one tile; tau Q_I one row tile at a time. Compute: four score-sized
+    products, not three. P - Y in the tile: a one-hot row keeps its digits."""
 
     @staticmethod
-    def forward(ctx, queries, keys, first_target, scale, tile_size, mask=None, hits=None):
-        scaled = queries * scale
+    def forward(ctx, queries, first_target, scale, tile_size, mask, hits, *keys):
         # The lowest finite number, not -inf: a row whose tile is all masked must give exp(-inf - max) = 0.
         lowest = torch.finfo(queries.dtype).min
         row_max = torch.full((len(queries),), lowest, dtype=queries.dtype, device=queries.device)
         row_sum = torch.zeros_like(row_max)
         target_scores = torch.zeros_like(row_max)
-        for i, j, rows, columns in tiles(len(queries), len(keys), tile_size):
-            scores = scaled[rows] @ keys[columns].T
+        for i, j, rows, columns, block, within in tiles(len(queries), keys, tile_size):
+            scores = (queries[rows] * scale) @ keys[block][within].T
             local, targets = targets_in_tile(i, j, scores.shape, first_target, queries.device)
             target_scores[i + local] = scores[local, targets]
             if mask is not None:
@@ -1164,32 +1167,39 @@ class TiledCrossEntropy(torch.autograd.Function):
             row_max[rows] = new_max
         if hits is not None:  # the row maximum includes the target: a tie counts as a hit
             hits[0], hits[1] = hits[0] + (target_scores >= row_max).sum(), hits[1] + len(queries)
-        ctx.save_for_backward(queries, keys, row_max, row_sum)
+        ctx.save_for_backward(queries, row_max, row_sum, *keys)
         ctx.first_target, ctx.scale, ctx.tile_size, ctx.mask = first_target, scale, tile_size, mask
         return row_sum.log() - (target_scores - row_max)
 
     @staticmethod
     def backward(ctx, grad_rows):
-        queries, keys, row_max, row_sum = ctx.saved_tensors
-        scaled = queries * ctx.scale
+        queries, row_max, row_sum, *keys = ctx.saved_tensors
         grad_over_sum = grad_rows / row_sum  # g_i P_ij = exp(s_ij - m_i) g_i / l_i: one pass less
-        grad_queries, grad_keys = torch.zeros_like(queries), torch.zeros_like(keys)
-        for i, j, rows, columns in tiles(len(queries), len(keys), ctx.tile_size):
-            scores = scaled[rows] @ keys[columns].T
+        grad_queries, grad_keys = torch.zeros_like(queries), [torch.zeros_like(block) for block in keys]
+        for i, j, rows, columns, block, within in tiles(len(queries), keys, ctx.tile_size):
+            scaled = queries[rows] * ctx.scale
+            scores = scaled @ keys[block][within].T
             local, targets = targets_in_tile(i, j, scores.shape, ctx.first_target, queries.device)
             if ctx.mask is not None:  # the forward's mask, from the same scores: no gradient where masked
                 scores.masked_fill_(ctx.mask(scores, rows, columns, local, targets), -torch.inf)
             weights = scores.sub_(row_max[rows, None]).exp_().mul_(grad_over_sum[rows, None])
             weights[local, targets] -= grad_rows[i + local]
-            grad_queries[rows].addmm_(weights, keys[columns], alpha=ctx.scale)
-            grad_keys[columns].addmm_(weights.T, scaled[rows])
-        return grad_queries, grad_keys, None, None, None, None, None
+            grad_queries[rows].addmm_(weights, keys[block][within], alpha=ctx.scale)
+            grad_keys[block][within].addmm_(weights.T, scaled)
+        return grad_queries, None, None, None, None, None, *grad_keys
 
 
-def tiles(num_rows, num_columns, tile_size):
+def tiles(num_rows, blocks, tile_size):
+    """(i, j, rows, columns, block, within): row tile i, column tile j of the scores; the tile's keys are
+    blocks[block][within], the columns' rows in the blocks taken one after the other (no tile spans two)."""
     for i in range(0, num_rows, tile_size):
-        for j in range(0, num_columns, tile_size):
-            yield i, j, slice(i, i + tile_size), slice(j, j + tile_size)
+        start = 0
+        for block, keys in enumerate(blocks):
+            for j in range(0, len(keys), tile_size):
+                width = min(tile_size, len(keys) - j)
+                columns, within = slice(start + j, start + j + width), slice(j, j + width)
+                yield i, start + j, slice(i, i + tile_size), columns, block, within
+            start += len(keys)
 
 
 def targets_in_tile(i, j, shape, first_target, device):
