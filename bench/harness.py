@@ -322,12 +322,13 @@ class PeakMeter:
         self.phase = phase
 
 
-def make_metered_ours_step(model, chunk_size, chunk_tokens, meter):
+def make_metered_ours_step(model, chunk_size, chunk_tokens, meter, loss_fn=None):
     """gradcache_step, its stage 2 (loss and representation gradients) metered apart from the chunks.
 
-    Stage 2 runs from the call of the loss to the first backward of stage 3.
+    Stage 2 runs from the call of the loss to the first backward of stage 3. The loss: `loss_fn`, else the
+    benchmarks' contrastive loss at SCALE.
     """
-    loss_fn = partial(contrastive_loss, scale=SCALE)
+    loss_fn = loss_fn or partial(contrastive_loss, scale=SCALE)
 
     def metered_loss(*reps):
         meter.switch("loss")
@@ -639,9 +640,10 @@ def measure_sparse_step_memory(batch_size, chunk_size, device, warmup_batch=8):
     """Peak memory of one training step of a SPLADE model (build_splade_model) as train.py runs it: loaded
     and prepared by train.py, its loss train.loss_function's with the FLOPS regularizers at full weight
     (train.SparsityPenalty), through gradcache_step, AdamW included, above the state just before it (as
-    measure_step_memory: a tiny step has run, its gradients released). What the batch itself must hold is
-    reported apart: its representations (stage 1's cache) and their gradients (stage 2's), B x columns x
-    vocabulary fp32 each; the rest is what the step adds beyond them."""
+    measure_step_memory: a tiny step has run, its gradients released), stage 2 metered apart from the
+    chunks (PeakMeter). What the batch itself must hold is reported apart: its representations (stage 1's
+    cache) and their gradients (stage 2's), B x columns x vocabulary fp32 each; the rest is what the step
+    adds beyond them."""
     import tempfile
     import types
 
@@ -658,20 +660,19 @@ def measure_sparse_step_memory(batch_size, chunk_size, device, warmup_batch=8):
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5)
     texts = load_texts(batch_size + warmup_batch, repeat=True)
 
-    def step(start, rows):
-        columns, inputs = gradcache_inputs(model, text_batch(model, texts, start, rows))
-        gradcache_step(model, columns, loss_fn, chunk_size=chunk_size, **inputs)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step(batch_size, warmup_batch)
-    longest = longest_text(text_batch(model, texts, 0, batch_size))
+    batch = text_batch(model, texts, 0, batch_size)
+    warmup_meter = PeakMeter(device, "chunks")  # the warm-up step's readings are left unread
+    make_train_step(make_metered_ours_step(model, chunk_size, None, warmup_meter, loss_fn), optimizer)(
+        text_batch(model, texts, batch_size, warmup_batch)
+    )
     synchronize(device)
-    baseline = start_peak_window(device)
+    meter = PeakMeter(device, "chunks")
     started = time.perf_counter()
-    step(0, batch_size)
+    make_train_step(make_metered_ours_step(model, chunk_size, None, meter, loss_fn), optimizer)(batch)
     synchronize(device)
-    seconds, peak = time.perf_counter() - started, peak_since_window(device) - baseline
+    seconds = time.perf_counter() - started
+    meter.switch("done")
+    peak = max(meter.peaks.values())
     vocabulary = model[0].auto_model.config.vocab_size
     batch_bytes = batch_size * len(COLUMNS) * vocabulary * 4  # fp32: the cache, then its gradients
     return {
@@ -679,10 +680,12 @@ def measure_sparse_step_memory(batch_size, chunk_size, device, warmup_batch=8):
         "chunk_size": chunk_size,
         "vocabulary": vocabulary,
         "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-        "longest_text_tokens": longest,
+        "longest_text_tokens": longest_text(batch),
         "seconds": seconds,
-        "baseline_bytes": baseline,
+        "baseline_bytes": meter.baseline,
         "step_peak_bytes": peak,
+        "phase_peak_bytes": meter.peaks,  # chunks: stages 1 and 3; loss: stage 2, with its inputs
+        "phase_added_bytes": meter.added,  # loss: stage 2 above its inputs (and stage 1's last chunk)
         "representation_bytes": batch_bytes,
         "representation_gradient_bytes": batch_bytes,
         "beyond_batch_bytes": peak - 2 * batch_bytes,

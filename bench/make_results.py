@@ -468,9 +468,14 @@ def sparse_memory_targets(results):
         large["batch_size"] / small["batch_size"],
         large["beyond_batch_bytes"] / small["beyond_batch_bytes"],
     )
+
+    def stage(point):  # where the step peaked
+        peaks = point["phase_peak_bytes"]
+        return "stage 2" if peaks["loss"] >= peaks["chunks"] else "the chunks of stage 1 or 3"
+
     measured = "; ".join(
-        f"batch {p['batch_size']:,}: step peak {mib(p['step_peak_bytes'])}, of which representations and "
-        f"gradients {mib(2 * p['representation_bytes'])}, beyond them {mib(p['beyond_batch_bytes'])}"
+        f"batch {p['batch_size']:,}: step peak {mib(p['step_peak_bytes'])} (in {stage(p)}), representations "
+        f"and gradients {mib(2 * p['representation_bytes'])}, beyond them {mib(p['beyond_batch_bytes'])}"
         for p in (small, large)
     )
     measured += (

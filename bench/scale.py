@@ -612,6 +612,8 @@ def sparse_table(points, args):
             point["chunk_size"],
             point["longest_text_tokens"],
             harness.mib(point["step_peak_bytes"]),
+            harness.mib(point["phase_peak_bytes"]["chunks"]),
+            harness.mib(point["phase_peak_bytes"]["loss"]),
             harness.mib(point["representation_bytes"]),
             harness.mib(point["representation_gradient_bytes"]),
             harness.mib(point["beyond_batch_bytes"]),
@@ -630,14 +632,17 @@ def sparse_table(points, args):
             "train.py trains it (contrastive loss, dot product, FLOPS regularizers at full weight), chunks "
             f"of rows: peak above the process before it, {where}. The batch's representations (stage 1's "
             "cache) and their gradients (stage 2's) are batch x 3 x vocabulary fp32 each; the step's memory "
-            "beyond them is the last memory column. The active dimensions are those of the random model "
-            "before training.",
+            "beyond them is the last memory column. Stages 1 and 3 hold the cache or the gradients and one "
+            "chunk's graph; stage 2 both, the loss's tiles and stage 1's last chunk, kept for stage 3. The "
+            "active dimensions are those of the random model before training.",
             harness.markdown_table(
                 [
                     "batch",
                     "chunk (rows)",
                     "longest text (tokens)",
                     "step peak (MiB)",
+                    "stages 1 and 3 (MiB)",
+                    "stage 2 (MiB)",
                     "representations (MiB)",
                     "their gradients (MiB)",
                     "beyond both (MiB)",

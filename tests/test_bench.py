@@ -369,6 +369,7 @@ def test_make_results_assembles_every_section(results_dir, smoke_run):
         "tiled loss time",
         "a full training step at batch",
         "without in-batch negatives, group_step's memory stays one chunk",
+        "a sparse encoder's step holds, beyond its vocabulary-sized representations",
     ):
         assert re.search(rf"\| {target}.*\| (met.*|missed.*|not measured.*) \|", targets)
     verdicts = r"(holds at every chunk size, by [\d.]+% to [\d.]+%|not at chunk .*)"
