@@ -969,7 +969,7 @@ def info_nce(anchor, positive, *negatives, scale, symmetric, rows, tile_size, fa
     loss = tiled_cross_entropy(anchor[rows], candidates, first_row, scale, tile_size, masks[0], hits)
     loss = loss.sum() / len(anchor)
     if symmetric:
-        reverse = tiled_cross_entropy(positive[rows], anchor, first_row, scale, tile_size, masks[1])
+        reverse = tiled_cross_entropy(positive[rows], [anchor], first_row, scale, tile_size, masks[1])
         loss = (loss + reverse.sum() / len(anchor)) / 2
     for mask in filter(None, masks[: 1 + symmetric]):
         counts[0], counts[1] = counts[0] + mask.masked, counts[1] + mask.seen
@@ -1116,13 +1116,11 @@ class TileMask:
 
 # --- Tiles: the B x N scores, never held at once ---------------------------------------------------------
 def tiled_cross_entropy(queries, keys, first_target, scale, tile_size=None, mask=None, hits=None):
-    """Per row i: LSE_j(s_ij) - s_i,t(i), s_ij = tau <q_i, k_j>, t(i) = first_target + i; never B x N. The
-    keys: a tensor, or a list of them taken as its rows one after the other. A `TileMask` leaves entries
-    out (never targets); `hits` ([rows whose target scores highest, rows]) adds."""
-    blocks = [keys] if torch.is_tensor(keys) else list(keys)
-    tile_size = tile_size or default_tile_size(len(queries), sum(map(len, blocks)))
-    settings = int(first_target), float(scale), int(tile_size), mask, hits
-    return TiledCrossEntropy.apply(queries, *settings, *blocks)
+    """Per row i: LSE_j(s_ij) - s_i,t(i), s_ij = tau <q_i, k_j>, t(i) = first_target + i; never B x N; k_j
+    the rows of the `keys` blocks one after the other. A `TileMask` leaves entries out (never targets);
+    `hits` ([rows whose target scores highest, rows]) adds."""
+    tile_size = int(tile_size or default_tile_size(len(queries), sum(map(len, keys))))
+    return TiledCrossEntropy.apply(queries, int(first_target), float(scale), tile_size, mask, hits, *keys)
 
 
 def default_tile_size(rows, columns):
@@ -1190,16 +1188,14 @@ class TiledCrossEntropy(torch.autograd.Function):
 
 
 def tiles(num_rows, blocks, tile_size):
-    """(i, j, rows, columns, block, within): row tile i, column tile j of the scores; the tile's keys are
-    blocks[block][within], the columns' rows in the blocks taken one after the other (no tile spans two)."""
-    for i in range(0, num_rows, tile_size):
-        start = 0
-        for block, keys in enumerate(blocks):
-            for j in range(0, len(keys), tile_size):
-                width = min(tile_size, len(keys) - j)
-                columns, within = slice(start + j, start + j + width), slice(j, j + width)
-                yield i, start + j, slice(i, i + tile_size), columns, block, within
-            start += len(keys)
+    """(i, j, rows, columns, block, within): the tile at row i, column j; its keys blocks[block][within]
+    (the blocks' rows one after the other, no tile spanning two)."""
+    starts = list(itertools.accumulate(map(len, blocks), initial=0))
+    for i, (block, keys) in itertools.product(range(0, num_rows, tile_size), enumerate(blocks)):
+        for j in range(0, len(keys), tile_size):
+            within = slice(j, min(j + tile_size, len(keys)))
+            columns = slice(starts[block] + j, starts[block] + within.stop)
+            yield i, starts[block] + j, slice(i, i + tile_size), columns, block, within
 
 
 def targets_in_tile(i, j, shape, first_target, device):
