@@ -1,11 +1,13 @@
 """One row of the feature matrix (tests/test_matrix.py): train.py's step under a backend, several processes.
 
-Each rank loads the row's tiny sentence-transformers model, prepares it with train.py's own flags
+Each rank loads the row's tiny sentence-transformers model with train.py's model flags
+(`train.model_options`: --attn_implementation), prepares it with train.py's own flags
 (`train.parse_args`, `train.prepare_model`), wraps it as train.py does (`train.training_module`)
 and runs NUM_STEPS optimizer steps of `train.gradient_cache_step` (the function train.py's loop calls) on
 its shard of the global batch of texts, with plain SGD so that every update is the gradient itself. It
-saves the losses gradcache reported and the trained weights. As a script it is what `launch` starts under
-torchrun; one launch runs the rows of one process count in sequence (DDP rows before DeepSpeed rows):
+saves the losses gradcache reported, the trained weights and the attention implementation the model was
+loaded with. As a script it is what `launch` starts under torchrun; one launch runs the rows of one
+process count in sequence (DDP rows before DeepSpeed rows):
 
     DS_ACCELERATOR=cpu PYTHONPATH=.:tests torchrun --standalone --nproc_per_node 2 \\
         tests/matrix_worker.py OUT_DIR MODELS_JSON '[{"name": "...", "backend": "zero2", ...}]'
@@ -60,6 +62,7 @@ class Row:
     extra: str  # "none", "masked" (repeated texts, a margin and a guide model), "distilled" (teacher scores)
     sources: int  # 1, or 2: steps from the row's source and SECOND_SOURCE in turn (several --data)
     budget: str = "none"  # --graph_budget: "none" (the last group only), "some" (half the last step's), "all"
+    attention: str = "sdpa"  # --attn_implementation: "sdpa" or "eager", of every transformers model in it
 
     @property
     def name(self):
@@ -76,6 +79,7 @@ class Row:
             self.extra,
             f"{self.sources}src",
             f"budget-{self.budget}",
+            self.attention,
         )
         return "-".join(parts)
 
@@ -93,6 +97,7 @@ def flags(row, model_folder, guide_folder=None):
     ]
     chosen += ["--cross_process_negatives"] if row.cross else []
     chosen += ["--graph_budget", "none" if row.budget == "none" else 10**6]  # "some": halved after a step
+    chosen += ["--attn_implementation", row.attention]
     # The per-source flags: one value per source where the sources differ, the second source's last.
     if row.sources == 2:
         chosen += ["--query_prompt", "", SECOND_SOURCE["query_prompt"]]
@@ -186,13 +191,22 @@ def shard(batch, row, rank):
 
 
 def load_prepared(row, model_folder, device="cpu", guide_folder=None):
-    """The model as train.py trains it: loaded, then prepared with the row's flags (LoRA seeded alike)."""
+    """The model as train.py trains it: loaded with the row's model flags (`train.model_options`: the
+    attention implementation), then prepared with the row's flags (LoRA seeded alike)."""
     import train
 
     args = train.parse_args(flags(row, model_folder, guide_folder))
-    model = train.load_model(args.model, device)
+    model = train.load_model(args.model, device, args.pooling, **train.model_options(args))
     torch.manual_seed(SEED)  # LoRA's initial A
     return train.prepare_model(model, args), args
+
+
+def attention_implementations(model):
+    """The attention implementation each transformers model inside `model` runs with, as its config says
+    (a SparseStaticEmbedding, the inference-free query side, has no attention and no config)."""
+    from transformers import PreTrainedModel
+
+    return sorted({m.config._attn_implementation for m in model.modules() if isinstance(m, PreTrainedModel)})
 
 
 def trainable_weights(named_parameters, dtype=torch.float32):
@@ -239,6 +253,7 @@ def run_row(row, model_folder, out_dir, guide_folder):
     accelerator = accelerator_for(row)
     assert accelerator.num_processes == row.processes, (accelerator.num_processes, row)
     model, args = load_prepared(row, model_folder, str(accelerator.device), guide_folder)
+    attention = attention_implementations(model)  # before training: what --attn_implementation loaded
     guide = train.load_guide(args, accelerator)
     sources = train.source_settings(args)  # each source's flags, as train.py deals them out
     prompts = [train.role_prompts(model, source.query_prompt, source.document_prompt) for source in sources]
@@ -295,6 +310,7 @@ def run_row(row, model_folder, out_dir, guide_folder):
     else:
         weights = trainable_weights(model.named_parameters())
     result = {"losses": losses, "chunks": chunks, "weights": weights, "masked": masked, "kept": kept}
+    result["attention"] = attention
     save_atomically(result, Path(out_dir) / f"{row.name}.rank{accelerator.process_index}.pt")
     reset_accelerate_state()
 

@@ -1,5 +1,6 @@
 """The feature matrix: backends x processes x chunking x models x losses x adapters x cross-process negatives
-x in-batch or group-only negatives x false-negative masks or distillation x one or two data sources.
+x in-batch or group-only negatives x false-negative masks or distillation x one or two data sources x graph
+budgets x attention implementations (sdpa, eager).
 
 Every row trains NUM_STEPS SGD steps through train.py's own step (`train.gradient_cache_step`, on a model
 prepared by train.py's flags; tests/matrix_worker.py) under its backend and process count, on CPU (gloo,
@@ -43,6 +44,11 @@ chunk plan agreement and tower grouping. Rows of two sources (several --data, ea
 their steps from the row's source and from pairs with a query prompt of their own and in-batch negatives
 in turn, as pairs.py's SourceMix deals steps: the number of columns, the prompt and the step function
 (group_step, gradcache_step) change from one step to the next under the same engine.
+Each row loads its model with --attn_implementation sdpa or eager (train.py's `model_options`, as
+train.py loads --model), and the run checks that every transformers model in it (the inference-free
+query side, a SparseStaticEmbedding, has no attention) was loaded with that implementation; every model
+kind takes both, so `possible()` excludes no pair of it. The reference loads sentence-transformers'
+default (sdpa) in every row: eager computes the same attention, another way.
 
     .venv/bin/python -m pytest -q tests/test_matrix.py
 """
@@ -89,50 +95,58 @@ DIMENSIONS = {
     "extra": ("none", "masked", "distilled"),
     "sources": (1, 2),
     "budget": ("none", "some", "all"),
+    "attention": ("sdpa", "eager"),
 }
 
 # fmt: off
 ROWS = [Row(*fields) for fields in [
-    # backend, processes, chunking, model, loss, adapter, cross, negatives, extra, sources, graph budget
+    # backend, processes, chunking, model, loss, adapter, cross, negatives, extra, sources, budget, attention
     # issue 15's defects as found, through gradcache_step
-    ("zero2", 2, "tokens", "shared",  "one-way",    "none", False, "in-batch", "none", 1, "all"),
-    ("zero3", 2, "tokens", "towers",  "one-way",    "none", False, "in-batch", "none", 1, "none"),
-    ("zero3", 1, "tokens", "towers",  "one-way",    "none", False, "in-batch", "none", 1, "none"),
+    ("zero2", 2, "tokens", "shared",  "one-way",    "none", False, "in-batch", "none", 1, "all", "sdpa"),
+    ("zero3", 2, "tokens", "towers",  "one-way",    "none", False, "in-batch", "none", 1, "none", "sdpa"),
+    ("zero3", 1, "tokens", "towers",  "one-way",    "none", False, "in-batch", "none", 1, "none", "sdpa"),
     # the same without in-batch negatives (group_step), and the rest of the covering
-    ("zero2", 2, "tokens", "shared",  "one-way",    "none", False, "group", "masked", 1, "none"),
-    ("zero3", 2, "tokens", "towers",  "one-way",    "none", False, "group", "masked", 2, "none"),
-    ("zero3", 1, "tokens", "towers",  "one-way",    "none", False, "group", "distilled", 2, "none"),
-    ("ddp",   2, "size",   "towers",  "one-way",    "none", False, "in-batch", "distilled", 1, "some"),
-    ("plain", 1, "size",   "shared",  "matryoshka", "checkpointing", True, "in-batch", "masked", 1, "some"),
-    ("zero1", 2, "uneven", "decoder", "symmetric",  "lora", True, "in-batch", "none", 2, "all"),
-    ("ddp",   3, "tokens", "decoder", "matryoshka", "checkpointing", False, "group", "masked", 2, "none"),
-    ("plain", 1, "tokens", "towers",  "symmetric",  "lora", False, "in-batch", "distilled", 2, "all"),
-    ("zero2", 3, "uneven", "towers",  "one-way",    "checkpointing", True, "in-batch", "none", 1, "all"),
-    ("zero3", 3, "size",   "shared",  "symmetric",  "lora", True, "in-batch", "masked", 1, "all"),
-    ("zero1", 1, "size",   "decoder", "one-way",    "none", False, "group", "masked", 2, "none"),
-    ("ddp",   2, "uneven", "shared",  "matryoshka", "none", True, "in-batch", "none", 2, "all"),
-    ("zero1", 2, "tokens", "towers", "matryoshka", "checkpointing", True, "in-batch", "distilled", 1, "some"),
-    ("zero2", 1, "size",   "decoder", "matryoshka", "lora", True, "in-batch", "none", 1, "all"),
-    ("zero3", 2, "uneven", "decoder", "matryoshka", "checkpointing", False, "group", "masked", 2, "none"),
-    ("zero1", 3, "tokens", "shared",  "symmetric",  "none", False, "in-batch", "distilled", 1, "some"),
-    ("plain", 1, "tokens", "decoder", "one-way",    "lora", False, "group", "none", 2, "none"),
-    ("zero3", 1, "tokens", "decoder", "symmetric",  "checkpointing", False, "in-batch", "none", 1, "some"),
-    ("ddp",   2, "uneven", "decoder", "symmetric",  "lora", True, "in-batch", "distilled", 2, "some"),
-    ("plain", 1, "size",   "decoder", "symmetric",  "none", True, "in-batch", "none", 2, "none"),
-    ("zero2", 1, "tokens", "towers",  "symmetric",  "none", False, "in-batch", "distilled", 2, "some"),
+    ("zero2", 2, "tokens", "shared",  "one-way",    "none", False, "group", "masked", 1, "none", "eager"),
+    ("zero3", 2, "tokens", "towers",  "one-way",    "none", False, "group", "masked", 2, "none", "eager"),
+    ("zero3", 1, "tokens", "towers",  "one-way",    "none", False, "group", "distilled", 2, "none", "eager"),
+    ("ddp", 2, "size", "towers", "one-way", "none", False, "in-batch", "distilled", 1, "some", "eager"),
+    ("plain", 1, "size", "shared", "matryoshka",
+     "checkpointing", True, "in-batch", "masked", 1, "some", "sdpa"),
+    ("zero1", 2, "uneven", "decoder", "symmetric",  "lora", True, "in-batch", "none", 2, "all", "eager"),
+    ("ddp", 3, "tokens", "decoder", "matryoshka",
+     "checkpointing", False, "group", "masked", 2, "none", "sdpa"),
+    ("plain", 1, "tokens", "towers",  "symmetric",  "lora", False, "in-batch", "distilled", 2, "all", "sdpa"),
+    ("zero2", 3, "uneven", "towers", "one-way", "checkpointing", True, "in-batch", "none", 1, "all", "eager"),
+    ("zero3", 3, "size",   "shared",  "symmetric",  "lora", True, "in-batch", "masked", 1, "all", "eager"),
+    ("zero1", 1, "size",   "decoder", "one-way",    "none", False, "group", "masked", 2, "none", "sdpa"),
+    ("ddp",   2, "uneven", "shared",  "matryoshka", "none", True, "in-batch", "none", 2, "all", "eager"),
+    ("zero1", 2, "tokens", "towers", "matryoshka",
+     "checkpointing", True, "in-batch", "distilled", 1, "some", "sdpa"),
+    ("zero2", 1, "size",   "decoder", "matryoshka", "lora", True, "in-batch", "none", 1, "all", "eager"),
+    ("zero3", 2, "uneven", "decoder", "matryoshka",
+     "checkpointing", False, "group", "masked", 2, "none", "eager"),
+    ("zero1", 3, "tokens", "shared", "symmetric", "none", False, "in-batch", "distilled", 1, "some", "eager"),
+    ("plain", 1, "tokens", "decoder", "one-way",    "lora", False, "group", "none", 2, "none", "eager"),
+    ("zero3", 1, "tokens", "decoder", "symmetric",
+     "checkpointing", False, "in-batch", "none", 1, "some", "sdpa"),
+    ("ddp", 2, "uneven", "decoder", "symmetric", "lora", True, "in-batch", "distilled", 2, "some", "eager"),
+    ("plain", 1, "size",   "decoder", "symmetric",  "none", True, "in-batch", "none", 2, "none", "sdpa"),
+    ("zero2", 1, "tokens", "towers", "symmetric", "none", False, "in-batch", "distilled", 2, "some", "sdpa"),
     # the sparse encoders (SPLADE's FLOPS regularizers): every backend, each
-    ("plain", 1, "tokens", "splade", "one-way", "lora", True, "in-batch", "masked", 2, "some"),
-    ("ddp", 2, "uneven", "splade", "symmetric", "checkpointing", False, "in-batch", "none", 1, "all"),
-    ("zero1", 3, "size", "splade", "one-way", "none", True, "in-batch", "distilled", 1, "none"),
-    ("zero2", 2, "tokens", "splade", "symmetric", "lora", True, "in-batch", "none", 2, "none"),
-    ("zero3", 2, "uneven", "splade", "one-way", "checkpointing", True, "in-batch", "none", 1, "some"),
+    ("plain", 1, "tokens", "splade", "one-way", "lora", True, "in-batch", "masked", 2, "some", "sdpa"),
+    ("ddp", 2, "uneven", "splade", "symmetric",
+     "checkpointing", False, "in-batch", "none", 1, "all", "eager"),
+    ("zero1", 3, "size", "splade", "one-way", "none", True, "in-batch", "distilled", 1, "none", "eager"),
+    ("zero2", 2, "tokens", "splade", "symmetric", "lora", True, "in-batch", "none", 2, "none", "eager"),
+    ("zero3", 2, "uneven", "splade", "one-way", "checkpointing", True, "in-batch", "none", 1, "some", "sdpa"),
     ("plain", 1, "size", "inference-free", "symmetric",
-     "checkpointing", False, "in-batch", "distilled", 1, "all"),
-    ("ddp", 3, "tokens", "inference-free", "one-way", "lora", True, "in-batch", "none", 2, "some"),
-    ("zero1", 2, "uneven", "inference-free", "symmetric", "none", False, "in-batch", "masked", 1, "none"),
+     "checkpointing", False, "in-batch", "distilled", 1, "all", "sdpa"),
+    ("ddp", 3, "tokens", "inference-free", "one-way", "lora", True, "in-batch", "none", 2, "some", "sdpa"),
+    ("zero1", 2, "uneven", "inference-free", "symmetric",
+     "none", False, "in-batch", "masked", 1, "none", "eager"),
     ("zero2", 2, "size", "inference-free", "one-way",
-     "checkpointing", True, "in-batch", "distilled", 2, "none"),
-    ("zero3", 2, "tokens", "inference-free", "one-way", "none", True, "in-batch", "none", 1, "all"),
+     "checkpointing", True, "in-batch", "distilled", 2, "none", "sdpa"),
+    ("zero3", 2, "tokens", "inference-free", "one-way", "none", True, "in-batch", "none", 1, "all", "sdpa"),
 ]]
 # fmt: on
 MODEL_KINDS = {
@@ -400,6 +414,8 @@ def measure(row, ranks, start):
 @pytest.mark.parametrize("row", ROWS, ids=lambda row: row.name)
 def test_row_matches_sentence_transformers_on_the_global_batch(row, runs, model_folders):
     ranks = runs(row)
+    # --attn_implementation loaded what the row says, in every transformers model of every rank
+    assert all(run["attention"] == [row.attention] for run in ranks), [run["attention"] for run in ranks]
     folder, guide_folder = model_folders[row.model], model_folders[GUIDE["model"]]
     truth = Measured(*reference_run(row, folder, guide_folder, torch.float64))
     float32 = Measured(*reference_run(row, folder, guide_folder, torch.float32))
