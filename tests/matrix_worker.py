@@ -1,13 +1,13 @@
 """One row of the feature matrix (tests/test_matrix.py): train.py's step under a backend, several processes.
 
 Each rank loads the row's tiny sentence-transformers model with train.py's model flags
-(`train.model_options`: --attn_implementation), prepares it with train.py's own flags
+(`train.model_options`: --attn_implementation, --trust_remote_code), prepares it with train.py's own flags
 (`train.parse_args`, `train.prepare_model`), wraps it as train.py does (`train.training_module`)
 and runs NUM_STEPS optimizer steps of `train.gradient_cache_step` (the function train.py's loop calls) on
 its shard of the global batch of texts, with plain SGD so that every update is the gradient itself. It
-saves the losses gradcache reported, the trained weights and the attention implementation the model was
-loaded with. As a script it is what `launch` starts under torchrun; one launch runs the rows of one
-process count in sequence (DDP rows before DeepSpeed rows):
+saves the losses gradcache reported, the trained weights, and the attention implementation and classes
+the model was loaded with. As a script it is what `launch` starts under torchrun; one launch runs the
+rows of one process count in sequence (DDP rows before DeepSpeed rows):
 
     DS_ACCELERATOR=cpu PYTHONPATH=.:tests torchrun --standalone --nproc_per_node 2 \\
         tests/matrix_worker.py OUT_DIR MODELS_JSON '[{"name": "...", "backend": "zero2", ...}]'
@@ -63,6 +63,13 @@ class Row:
     sources: int  # 1, or 2: steps from the row's source and SECOND_SOURCE in turn (several --data)
     budget: str = "none"  # --graph_budget: "none" (the last group only), "some" (half the last step's), "all"
     attention: str = "sdpa"  # --attn_implementation: "sdpa" or "eager", of every transformers model in it
+    code: str = "library"  # "library" (transformers' classes), "remote" ("shared"'s BERT as a model that
+    # ships its code, config.json's auto_map: --trust_remote_code; test_model_flags.build_custom_code_model)
+
+    @property
+    def folder(self):
+        """The key of the row's model folder: the model's, or "custom" (the BERT with its own code)."""
+        return "custom" if self.code == "remote" else self.model
 
     @property
     def name(self):
@@ -80,6 +87,7 @@ class Row:
             f"{self.sources}src",
             f"budget-{self.budget}",
             self.attention,
+            *([self.code] if self.code == "remote" else []),  # a name seeds its row's batches: kept
         )
         return "-".join(parts)
 
@@ -98,6 +106,7 @@ def flags(row, model_folder, guide_folder=None):
     chosen += ["--cross_process_negatives"] if row.cross else []
     chosen += ["--graph_budget", "none" if row.budget == "none" else 10**6]  # "some": halved after a step
     chosen += ["--attn_implementation", row.attention]
+    chosen += ["--trust_remote_code"] if row.code == "remote" else []
     # The per-source flags: one value per source where the sources differ, the second source's last.
     if row.sources == 2:
         chosen += ["--query_prompt", "", SECOND_SOURCE["query_prompt"]]
@@ -201,12 +210,14 @@ def load_prepared(row, model_folder, device="cpu", guide_folder=None):
     return train.prepare_model(model, args), args
 
 
-def attention_implementations(model):
+def transformers_models(model):
     """The attention implementation each transformers model inside `model` runs with, as its config says
-    (a SparseStaticEmbedding, the inference-free query side, has no attention and no config)."""
+    (a SparseStaticEmbedding, the inference-free query side, has no attention and no config), and their
+    classes (a model that ships its code: its own)."""
     from transformers import PreTrainedModel
 
-    return sorted({m.config._attn_implementation for m in model.modules() if isinstance(m, PreTrainedModel)})
+    found = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+    return sorted({m.config._attn_implementation for m in found}), sorted({type(m).__name__ for m in found})
 
 
 def trainable_weights(named_parameters, dtype=torch.float32):
@@ -253,7 +264,7 @@ def run_row(row, model_folder, out_dir, guide_folder):
     accelerator = accelerator_for(row)
     assert accelerator.num_processes == row.processes, (accelerator.num_processes, row)
     model, args = load_prepared(row, model_folder, str(accelerator.device), guide_folder)
-    attention = attention_implementations(model)  # before training: what --attn_implementation loaded
+    attention, classes = transformers_models(model)  # what --attn_implementation, --trust_remote_code loaded
     guide = train.load_guide(args, accelerator)
     sources = train.source_settings(args)  # each source's flags, as train.py deals them out
     prompts = [train.role_prompts(model, source.query_prompt, source.document_prompt) for source in sources]
@@ -310,7 +321,7 @@ def run_row(row, model_folder, out_dir, guide_folder):
     else:
         weights = trainable_weights(model.named_parameters())
     result = {"losses": losses, "chunks": chunks, "weights": weights, "masked": masked, "kept": kept}
-    result["attention"] = attention
+    result |= {"attention": attention, "classes": classes}
     save_atomically(result, Path(out_dir) / f"{row.name}.rank{accelerator.process_index}.pt")
     reset_accelerate_state()
 
@@ -320,7 +331,7 @@ def main(out_dir, models_json, rows_json):
     models = json.loads(models_json)
     for fields in json.loads(rows_json):
         row = Row(**fields)
-        run_row(row, models[row.model], out_dir, models[GUIDE["model"]])
+        run_row(row, models[row.folder], out_dir, models[GUIDE["model"]])
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -1,6 +1,7 @@
 """The feature matrix: backends x processes x chunking x models x losses x adapters x cross-process negatives
 x in-batch or group-only negatives x false-negative masks or distillation x one or two data sources x graph
-budgets x attention implementations (sdpa, eager).
+budgets x attention implementations (sdpa, eager) x models of transformers' classes or with code of their
+own (--trust_remote_code).
 
 Every row trains NUM_STEPS SGD steps through train.py's own step (`train.gradient_cache_step`, on a model
 prepared by train.py's flags; tests/matrix_worker.py) under its backend and process count, on CPU (gloo,
@@ -48,7 +49,10 @@ Each row loads its model with --attn_implementation sdpa or eager (train.py's `m
 train.py loads --model), and the run checks that every transformers model in it (the inference-free
 query side, a SparseStaticEmbedding, has no attention) was loaded with that implementation; every model
 kind takes both, so `possible()` excludes no pair of it. The reference loads sentence-transformers'
-default (sdpa) in every row: eager computes the same attention, another way.
+default (sdpa) in every row: eager computes the same attention, another way. Rows of code "remote" ("shared"
+rows only: `possible()`) train "shared"'s BERT as a model that ships its code (config.json's auto_map,
+tests/test_model_flags.py's `build_custom_code_model`) with --trust_remote_code, and the run checks that
+the model's own class was loaded; the reference loads it with sentence-transformers' trust_remote_code.
 
     .venv/bin/python -m pytest -q tests/test_matrix.py
 """
@@ -81,6 +85,7 @@ from matrix_worker import (
     trainable_weights,
 )
 from references import Exactness, assert_inexact, exactness, reference_objective, relative_error
+from test_model_flags import build_custom_code_model
 from test_train import build_tiny_model
 
 DIMENSIONS = {
@@ -96,36 +101,42 @@ DIMENSIONS = {
     "sources": (1, 2),
     "budget": ("none", "some", "all"),
     "attention": ("sdpa", "eager"),
+    "code": ("library", "remote"),
 }
 
 # fmt: off
 ROWS = [Row(*fields) for fields in [
-    # backend, processes, chunking, model, loss, adapter, cross, negatives, extra, sources, budget, attention
+    # backend, processes, chunking, model, loss, adapter, cross, negatives, extra, sources, budget, attention,
+    # code ("library" unless given)
     # issue 15's defects as found, through gradcache_step
     ("zero2", 2, "tokens", "shared",  "one-way",    "none", False, "in-batch", "none", 1, "all", "sdpa"),
     ("zero3", 2, "tokens", "towers",  "one-way",    "none", False, "in-batch", "none", 1, "none", "sdpa"),
     ("zero3", 1, "tokens", "towers",  "one-way",    "none", False, "in-batch", "none", 1, "none", "sdpa"),
     # the same without in-batch negatives (group_step), and the rest of the covering
-    ("zero2", 2, "tokens", "shared",  "one-way",    "none", False, "group", "masked", 1, "none", "eager"),
+    ("zero2", 2, "tokens", "shared", "one-way",
+     "none", False, "group", "masked", 1, "none", "eager", "remote"),
     ("zero3", 2, "tokens", "towers",  "one-way",    "none", False, "group", "masked", 2, "none", "eager"),
     ("zero3", 1, "tokens", "towers",  "one-way",    "none", False, "group", "distilled", 2, "none", "eager"),
     ("ddp", 2, "size", "towers", "one-way", "none", False, "in-batch", "distilled", 1, "some", "eager"),
     ("plain", 1, "size", "shared", "matryoshka",
-     "checkpointing", True, "in-batch", "masked", 1, "some", "sdpa"),
+     "checkpointing", True, "in-batch", "masked", 1, "some", "sdpa", "remote"),
     ("zero1", 2, "uneven", "decoder", "symmetric",  "lora", True, "in-batch", "none", 2, "all", "eager"),
     ("ddp", 3, "tokens", "decoder", "matryoshka",
      "checkpointing", False, "group", "masked", 2, "none", "sdpa"),
     ("plain", 1, "tokens", "towers",  "symmetric",  "lora", False, "in-batch", "distilled", 2, "all", "sdpa"),
     ("zero2", 3, "uneven", "towers", "one-way", "checkpointing", True, "in-batch", "none", 1, "all", "eager"),
-    ("zero3", 3, "size",   "shared",  "symmetric",  "lora", True, "in-batch", "masked", 1, "all", "eager"),
+    ("zero3", 3, "size", "shared", "symmetric",
+     "lora", True, "in-batch", "masked", 1, "all", "eager", "remote"),
     ("zero1", 1, "size",   "decoder", "one-way",    "none", False, "group", "masked", 2, "none", "sdpa"),
-    ("ddp",   2, "uneven", "shared",  "matryoshka", "none", True, "in-batch", "none", 2, "all", "eager"),
+    ("ddp", 2, "uneven", "shared", "matryoshka",
+     "none", True, "in-batch", "none", 2, "all", "eager", "remote"),
     ("zero1", 2, "tokens", "towers", "matryoshka",
      "checkpointing", True, "in-batch", "distilled", 1, "some", "sdpa"),
     ("zero2", 1, "size",   "decoder", "matryoshka", "lora", True, "in-batch", "none", 1, "all", "eager"),
     ("zero3", 2, "uneven", "decoder", "matryoshka",
      "checkpointing", False, "group", "masked", 2, "none", "eager"),
-    ("zero1", 3, "tokens", "shared", "symmetric", "none", False, "in-batch", "distilled", 1, "some", "eager"),
+    ("zero1", 3, "tokens", "shared", "symmetric",
+     "none", False, "in-batch", "distilled", 1, "some", "eager", "remote"),
     ("plain", 1, "tokens", "decoder", "one-way",    "lora", False, "group", "none", 2, "none", "eager"),
     ("zero3", 1, "tokens", "decoder", "symmetric",
      "checkpointing", False, "in-batch", "none", 1, "some", "sdpa"),
@@ -170,6 +181,8 @@ def possible(values):
     if values.get("model") in SPARSE_MODELS and (values.get("loss"), values.get("negatives")) != (None, None):
         if values.get("loss") == "matryoshka" or values.get("negatives") == "group":
             return False  # train.py refuses them for a sparse encoder (check_sparse_flags)
+    if values.get("code") == "remote" and values.get("model") not in (None, "shared"):
+        return False  # the model that ships its code is "shared"'s BERT (build_custom_code_model)
     return not (chunking == "uneven" and (processes == 1 or backend == "plain"))
 
 
@@ -190,10 +203,11 @@ def test_rows_cover_every_pair():
 
 @pytest.fixture(scope="module")
 def model_folders(tmp_path_factory):
-    return {
+    folders = {
         name: str(build_tiny_model(tmp_path_factory.mktemp(name), dropout=0.0, kind=kind))
         for name, kind in MODEL_KINDS.items()
     }
+    return folders | {"custom": str(build_custom_code_model(tmp_path_factory.mktemp("custom")))}
 
 
 @pytest.fixture(scope="module")
@@ -329,7 +343,8 @@ def reference_model(row, model_folder, dtype):
     from sentence_transformers import SentenceTransformer, SparseEncoder
     from transformers import PreTrainedModel
 
-    model = (SparseEncoder if row.model in SPARSE_MODELS else SentenceTransformer)(model_folder, device="cpu")
+    model_class = SparseEncoder if row.model in SPARSE_MODELS else SentenceTransformer
+    model = model_class(model_folder, device="cpu", trust_remote_code=row.code == "remote")
     found = [module for module in model.modules() if isinstance(module, PreTrainedModel)]
     inner = {id(sub) for module in found for sub in module.modules() if sub is not module}
     transformers = [module for module in found if id(module) not in inner]  # SPLADE's: BertForMaskedLM
@@ -416,7 +431,10 @@ def test_row_matches_sentence_transformers_on_the_global_batch(row, runs, model_
     ranks = runs(row)
     # --attn_implementation loaded what the row says, in every transformers model of every rank
     assert all(run["attention"] == [row.attention] for run in ranks), [run["attention"] for run in ranks]
-    folder, guide_folder = model_folders[row.model], model_folders[GUIDE["model"]]
+    # --trust_remote_code: the model's own class ran (TinyModel, a BERT), and only where the row says
+    classes = [run["classes"] for run in ranks]
+    assert all(("TinyModel" in names) == (row.code == "remote") for names in classes), classes
+    folder, guide_folder = model_folders[row.folder], model_folders[GUIDE["model"]]
     truth = Measured(*reference_run(row, folder, guide_folder, torch.float64))
     float32 = Measured(*reference_run(row, folder, guide_folder, torch.float32))
     start = trainable_weights(reference_model(row, folder, torch.float64).named_parameters())
