@@ -199,9 +199,10 @@ parser.add_argument(
 )
 
 
-def measure_point(args, worker, **kwargs):
-    """CUDA's allocator statistics are exact per window; CPU needs a fresh process per point."""
-    if args.device.startswith("cuda"):
+def measure_point(args, worker, one_process=False, **kwargs):
+    """CUDA's allocator statistics are exact per window; CPU needs a fresh process per point (unless
+    `one_process`: the smoke's, where train.py's imports would take seconds in each process)."""
+    if one_process or args.device.startswith("cuda"):
         return harness.WORKERS[worker](device=args.device, **kwargs)
     return harness.measure_in_fresh_process(worker, device=args.device, **kwargs)
 
@@ -323,10 +324,7 @@ def measure_group(args):
     for method, batch_size, chunk_size in runs:
         kwargs = dict(method=method, batch_size=batch_size, chunk_size=chunk_size)
         kwargs["num_layers"] = args.group_layers
-        if args.group_one_process:
-            point = harness.measure_step_memory(device=args.device, **kwargs)
-        else:
-            point = measure_point(args, "step_memory", **kwargs)
+        point = measure_point(args, "step_memory", args.group_one_process, **kwargs)
         points.append(point)
         print(
             f"{GROUP_LABELS[method]:>22} batch {batch_size:>6}, chunk {chunk_size:>5}: "
@@ -342,10 +340,7 @@ def measure_sparse(args):
     points = []
     for batch_size in args.sparse_batch_sizes:
         kwargs = dict(batch_size=batch_size, chunk_size=args.chunk_size)
-        if args.sparse_one_process:
-            point = harness.measure_sparse_step_memory(device=args.device, **kwargs)
-        else:
-            point = measure_point(args, "sparse_step_memory", **kwargs)
+        point = measure_point(args, "sparse_step_memory", args.sparse_one_process, **kwargs)
         points.append(point)
         print(
             f"sparse step batch {batch_size:>6}: {harness.mib(point['step_peak_bytes'])} MiB, "
