@@ -52,6 +52,7 @@ from torch import nn
 
 __all__ = ["gradcache_step", "group_step", "StepReport", "ChunkOutOfMemory", "StepInterrupted", "refinements"]
 __all__ += ["contrastive_loss", "group_loss", "FalseNegatives", "accelerate_sync_context", "any_process"]
+__all__ += ["with_side_data", "takes_keyword"]
 __all__ += ["tokenize_per_chunk", "select_examples", "plan_chunks", "plan_step", "GROUP_FORWARDS"]
 # Parts that train.py, tests/ and bench/ call or replace on their own.
 __all__ += ["check_examples_independent", "cache_representation_gradients", "backpropagate_cache"]
@@ -166,17 +167,14 @@ def group_step(
 
 # --- What both steps share: the prologue, and the loop of backward passes -------------------------------
 def prepare_step(encoders, columns, chunking, lengths, select, get_rep, encode_group, allow_batch_mixing):
-    """The prologue of both steps: the arguments checked against the batch; returns (lengths, one entry
-    per column; encode(group); together: separate towers, whose chunks are back-propagated together)."""
+    """Arguments checked -> (lengths per column, encode(group), together: towers' chunks in one backward)."""
     encoders = [encode_group] * len(columns) if encode_group is not None else encoders
     encoders = list(encoders) if isinstance(encoders, Sequence) else [encoders] * len(columns)
     lengths = [None] * len(columns) if lengths is None else list(lengths)
     check_step_arguments(encoders, columns, *chunking, lengths, allow_batch_mixing)
     together = encode_group is not None or len({id(encoder) for encoder in encoders}) > 1
-    encode = group_encoder(
-        columns, encoders, encode_group, select or select_examples, get_rep or sentence_embedding
-    )
-    return lengths, encode, together
+    select, get_rep = select or select_examples, get_rep or sentence_embedding
+    return lengths, group_encoder(columns, encoders, encode_group, select, get_rep), together
 
 
 def chunk_limits(chunk_size, chunk_tokens, num_columns):
@@ -334,13 +332,10 @@ def global_batch_gradients(loss_fn, leaves):
     grads = gradients(share, batch)
     summed = torch.cat([share.detach().reshape(1), *[grad.flatten() for grad in grads]])
     dist.all_reduce(summed)
-    loss, summed_grads = summed[0], summed[1:].split([grad.numel() for grad in grads])
+    loss, grads = summed[0], summed[1:].split([grad.numel() for grad in grads])
     # DDP and DeepSpeed average over processes: each holds 1/world of the global gradient, so scale back.
     world_size = dist.get_world_size()
-    rep_grads = [
-        g.view_as(rows)[local_rows] * world_size for g, rows in zip(summed_grads, batch, strict=True)
-    ]
-    return loss, rep_grads
+    return loss, [g.view_as(rows)[local_rows] * world_size for g, rows in zip(grads, batch, strict=True)]
 
 
 def gradients(loss, inputs):
@@ -354,7 +349,6 @@ def spans_processes(cross_process_negatives):
 
 
 def stage_two_report(loss, rep_grads, groups, reencoded, encoded):
-    """The report after stage 2: `skipped` where a loss or representation gradient is not finite anywhere."""
     norm = float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in rep_grads])))
     report = StepReport(loss, sum(map(len, groups)), sum(map(len, reencoded)), norm)
     report.kept_groups, report.kept_bytes = len(encoded.kept), encoded.kept_bytes
@@ -376,8 +370,7 @@ def backpropagate_cache(group, reps, rep_grads, backward):
 
 
 def reencode_and_backpropagate(rng_states, encode, rep_grads, backward, g, group, is_last):
-    """Stage 3 for a group stage 1 did not keep: encoded again with grad from its stage-1 RNG state (the
-    same dropout masks), its cached gradient back-propagated."""
+    """Stage 3 for a group stage 1 did not keep, from its stage-1 RNG state (the same dropout masks)."""
     with rng_states[g].replay() if REFINEMENTS.replay_rng else contextlib.nullcontext():
         reps = encode(group)
     backpropagate_cache(group, reps, rep_grads, backward)
@@ -385,8 +378,6 @@ def reencode_and_backpropagate(rng_states, encode, rep_grads, backward, g, group
 
 # --- group_step's pass: a chunk of rows, encoded in every column, back-propagated at once ---------------
 class RowChunks:
-    """The pass of `group_step` for each chunk of rows; adds up the loss and the forwards it ran."""
-
     def __init__(self, encode, loss_fn, counted, batch_size, backward):
         self.encode, self.loss_fn, self.counted, self.backward = encode, loss_fn, counted, backward
         self.batch_size, self.total, self.forwards, self.skipped = batch_size, 0.0, 0, False
@@ -399,7 +390,7 @@ class RowChunks:
         reps, repeated = rows_in_order(encoded, pieces, len(index))
         self.forwards += len(encoded)
         with torch.autocast(reps[0].device.type, enabled=False):
-            terms = self.loss_fn(*[rep.float() for rep in reps], rows=index)
+            terms = self.loss_fn(*[rep.float() for rep in reps], **keywords_taken(self.loss_fn, rows=index))
             # padding, and a row encoded twice to keep the passes even: reach, add nothing
             loss = terms.sum() * (0.0 if padding else 1.0 / self.batch_size) + 0.0 * repeated
         self.total = self.total + loss.detach()
@@ -423,8 +414,7 @@ GROUP_FORWARDS = 2  # per column and chunk of rows, in group_step
 
 
 def rows_in_order(outputs, pieces, rows):
-    """(each column's representations in the chunk's row order, the sum of the repeated rows' ones: the
-    loss adds it times 0, so that their forwards reach the backward and add nothing)."""
+    """(each column's representations in the chunk's row order, the sum of the repeated rows' ones)."""
     reps, repeated, outputs = [], 0.0, iter(outputs)
     for column in pieces:
         encoded = [next(outputs) for _ in column]
@@ -437,11 +427,8 @@ def rows_in_order(outputs, pieces, rows):
 
 
 def row_lengths(counted):
-    """Tokens of each row in every column, padded alike: the columns x the row's longest text, from each
-    column's `example_lengths`. None where a column's lengths are unknown."""
-    if any(column_lengths is None for column_lengths in counted):
-        return None
-    return torch.stack(counted).amax(dim=0) * len(counted)
+    """Tokens of each row, its columns padded alike: the columns x the row's longest text; None if unknown."""
+    return None if any(n is None for n in counted) else torch.stack(counted).amax(dim=0) * len(counted)
 
 
 # --- The refinements: what the step does beyond the paper ------------------------------------------------
@@ -485,10 +472,9 @@ def plan_step(columns, limits, by_tokens, lengths, together):
     all-reduce), reached by halving the largest chunks (never over the budget), then by padding chunks. A
     shared encoder makes a group per chunk; towers (`together`) one chunk of every column per group: under
     ZeRO-3 each backward must reach every tower (DeepSpeed #1355), under DDP the same parameters."""
-    limit_name = "chunk_tokens" if by_tokens else "chunk_size"
     counted = [example_lengths(column, n) for column, n in zip(columns, lengths, strict=True)]
     plans = [
-        plan_chunks(column, lengths=n, **{limit_name: limit})
+        plan_chunks(column, lengths=n, **{"chunk_tokens" if by_tokens else "chunk_size": limit})
         for column, limit, n in zip(columns, limits, counted, strict=True)
     ]
     counts = [max(map(len, plans))] * len(plans) if together else [len(plan) for plan in plans]
@@ -511,16 +497,12 @@ def split_to(plan, count, lengths):
     """[(index, padding)]: `plan` with its largest chunks halved until it holds `count` chunks, then padding
     chunks (its shortest example again) where every chunk is down to one example."""
     plan = list(plan)
-    while len(plan) < count:
-        splittable = [s for s, chunk in enumerate(plan) if len(chunk) > 1]
-        if not splittable:
-            break
+    while len(plan) < count and (splittable := [s for s, chunk in enumerate(plan) if len(chunk) > 1]):
         largest = max(splittable, key=lambda s: padded_size(plan[s], lengths))
         chunk = plan[largest]
         half = (len(chunk) + 1) // 2
         plan[largest : largest + 1] = [chunk[:half], chunk[half:]]
-    padding = [(plan[-1][-1:], True)] * (count - len(plan))
-    return [(chunk, False) for chunk in plan] + padding
+    return [(chunk, False) for chunk in plan] + [(plan[-1][-1:], True)] * (count - len(plan))
 
 
 def padded_size(index, lengths):
@@ -543,10 +525,8 @@ def plan_chunks(column, chunk_size=None, *, chunk_tokens=None, lengths=None):
         )
     if lengths is not None and lengths.shape != (batch_size,):
         raise ValueError(f"lengths holds {lengths.numel()} values for a column of {batch_size} examples.")
-    if REFINEMENTS.sort_by_length and lengths is not None:
-        order = torch.argsort(lengths, descending=True, stable=True)
-    else:
-        order = torch.arange(batch_size)
+    sort = REFINEMENTS.sort_by_length and lengths is not None
+    order = torch.argsort(lengths, descending=True, stable=True) if sort else torch.arange(batch_size)
     if chunk_tokens is None:
         return list(order.split(chunk_size))
     chunks, chunk, longest = [], [], 0
@@ -566,11 +546,9 @@ def sentence_embedding(output):
 
 
 def batch_size_of(column):
-    if isinstance(column, Mapping):
-        for key in ("attention_mask", "input_ids"):
-            if isinstance(column.get(key), torch.Tensor):
-                return len(column[key])
-        return len(next(value for value in column.values() if isinstance(value, torch.Tensor)))
+    if isinstance(column, Mapping):  # the attention mask's length, else the input ids', else any tensor's
+        candidates = [column.get("attention_mask"), column.get("input_ids"), *column.values()]
+        return len(next(value for value in candidates if isinstance(value, torch.Tensor)))
     return len(column)
 
 
@@ -587,12 +565,11 @@ def select_examples(column, index):
     }
     mask = chunk.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.any():
-        width = mask.shape[1]
         used = mask.any(dim=0).nonzero()
         first = int(used.min()) if bool(mask[:, -1].all()) else 0
         last = int(used.max()) + 1
         for key, value in chunk.items():
-            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == width:
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == mask.shape[1]:
                 chunk[key] = value[:, first:last]
     return chunk
 
@@ -640,8 +617,7 @@ def gather_from_all_processes(local):
     size = torch.tensor([len(local)], device=local.device)
     sizes = [torch.empty_like(size) for _ in range(world_size)]
     dist.all_gather(sizes, size)
-    rows = max(int(s) for s in sizes)
-    padded = torch.cat([local, local.new_zeros(rows - len(local), *local.shape[1:])])
+    padded = torch.cat([local, local.new_zeros(max(map(int, sizes)) - len(local), *local.shape[1:])])
     gathered = [torch.empty_like(padded) for _ in range(world_size)]
     dist.all_gather(gathered, padded.contiguous())
     return [g[: int(s)] for g, s in zip(gathered, sizes, strict=True)]
@@ -764,14 +740,7 @@ def check_scalar(loss):
 
 
 def check_loss_takes_local_rows(loss_fn, cross_process_negatives):
-    """Under cross-process negatives stage 2 calls loss_fn(*global_columns, local_rows=slice)."""
-    if not spans_processes(cross_process_negatives):
-        return
-    try:
-        parameters = inspect.signature(loss_fn).parameters.values()
-    except (TypeError, ValueError):
-        parameters = []
-    if not any(p.name == "local_rows" or p.kind is p.VAR_KEYWORD for p in parameters):
+    if spans_processes(cross_process_negatives) and not takes_keyword(loss_fn, "local_rows"):
         raise ValueError(
             "with cross_process_negatives each process computes only its own rows of the loss: loss_fn must "
             "accept `local_rows` (a slice of the global batch's rows) and return those rows' terms divided "
@@ -815,7 +784,44 @@ def accelerate_sync_context(accelerator, *models):
     return sync_context
 
 
-# ===== Part II. The loss of stage 2: any loss(*reps) -> scalar works; reps come in column order =====
+# ===== Part II. The loss of stage 2 ========================================================================
+# The contract: loss(anchor, positive, *negatives, **keywords) -> a scalar (group_step: a term per row), the
+# representations in column order, float32. Of these keywords a loss is given only those it declares:
+#   local_rows       cross-process negatives: the slice of the global batch's rows this process computes;
+#                    return their terms divided by the global batch size (required there, see above).
+#   rows             group_step: the batch indices of the chunk's rows, to index the side data below.
+#   false_negatives  a `FalseNegatives`: candidates of a row that are no negatives and leave its softmax.
+#   teacher_scores   B x (1 + k) teacher scores of each anchor's positive and hard negatives, to distil.
+#   stats            a dict for the loss's numbers, each logged by train.py as train/<name> ("_name": a
+#                    running count, not logged).
+# The trainer binds the last three (`with_side_data`). `contrastive_loss` and `group_loss` take them all.
+def with_side_data(loss_fn, **side_data):
+    """`loss_fn` with the batch's side data bound, those keywords it declares. Masks or teacher scores given
+    to a loss that cannot take them stop here: it would silently train without them."""
+    given = [name for name, value in side_data.items() if value is not None and name != "stats"]
+    if missing := [name for name in given if not takes_keyword(loss_fn, name)]:
+        raise ValueError(
+            f"the loss takes no {', '.join(missing)}, built for this batch: add the keyword to the loss, or "
+            "build none (train.py: --mask_repeated_texts off, no margin or guide; --distill_weight 0)."
+        )
+    return functools.partial(loss_fn, **keywords_taken(loss_fn, **side_data))
+
+
+def keywords_taken(loss_fn, **keywords):
+    return {name: value for name, value in keywords.items() if takes_keyword(loss_fn, name)}
+
+
+def takes_keyword(loss_fn, name):
+    """Whether `loss_fn` declares the keyword `name` (or **kwargs); a callable without a signature: yes."""
+    try:
+        parameters = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(
+        p.name == name and p.kind is not p.POSITIONAL_ONLY or p.kind is p.VAR_KEYWORD for p in parameters
+    )
+
+
 def contrastive_loss(
     anchor, positive, *negatives, scale: float = 20.0, similarity: str = "cos", symmetric: bool = False,
     tile_size: int | None = None, matryoshka_dims: Sequence[int] | None = None,
@@ -834,13 +840,12 @@ def contrastive_loss(
     `TiledCrossEntropy` computes each row's term tile by tile. `similarity="cos"` normalizes first, "dot"
     does not; `symmetric` averages L with the positive-to-anchor direction (a second tiled pass).
 
-    tile_size:        rows and columns of a score tile (`default_tile_size`). false_negatives: a
-                      `FalseNegatives`, candidates of a row that are not negatives and leave its softmax.
+    tile_size:        rows and columns of a score tile (`default_tile_size`).
     matryoshka_dims:  sum_m w_m L(m), L(m) on the first m dimensions renormalized (MatryoshkaLoss; w = 1).
     local_rows:       the anchors (and positives) whose terms this call computes, still divided by the
                       whole B: one process's share under cross-process negatives.
-    stats:            receives "masked_fraction" (of the candidates), "accuracy" (anchors whose positive
-                      scores highest), with Matryoshka "matryoshka_losses" {dim: unweighted L(dim)}.
+    stats:            receives "in_batch_accuracy" (anchors whose positive scores highest), with masks
+                      "masked_fraction" (of the candidates), with Matryoshka "loss_dim_<m>" (unweighted L(m)).
     teacher_scores:   B x (1 + k) teacher scores of each anchor's positive and hard negatives: adds
                       distill_weight x KL(teacher's softmax || student's) over the anchor's group at
                       `distill_temperature` (FlagEmbedding, tevatron), on the full width."""
@@ -855,38 +860,29 @@ def contrastive_loss(
     columns = [anchor, positive, *negatives]
     loss, terms = loss_skeleton(in_batch, columns, rows_of_terms, scale, similarity, matryoshka, distill)
     if stats is not None:
-        stats["masked_fraction"] = float(counts[0]) / max(counts[1], 1)
-        stats["accuracy"] = float(hits[0]) / max(hits[1], 1)
-        if matryoshka_dims is not None:  # each term is divided by the whole batch: per row computed
-            per_row = len(anchor) / len(range(*rows.indices(len(anchor))))
-            stats["matryoshka_losses"] = {
-                dim: float(term.detach()) * per_row for dim, term in zip(matryoshka_dims, terms, strict=True)
-            }
+        stats["in_batch_accuracy"] = float(hits[0]) / max(hits[1], 1)
+        if false_negatives is not None:
+            stats["masked_fraction"] = float(counts[0]) / max(counts[1], 1)
+        per_row = len(anchor) / len(range(*rows.indices(len(anchor))))  # terms are divided by the whole B
+        for dim, term in zip(matryoshka_dims or (), terms or (), strict=True):
+            stats[f"loss_dim_{dim}"] = float(term.detach()) * per_row
     return loss
 
 
 def group_loss(
-    anchor,
-    positive,
-    *negatives,
-    scale: float = 20.0,
-    similarity: str = "cos",
-    matryoshka_dims: Sequence[int] | None = None,
-    matryoshka_weights: Sequence[float] | None = None,
-    rows: torch.Tensor | None = None,
-    false_negatives: "FalseNegatives | None" = None,
-    stats: dict | None = None,
-    teacher_scores: torch.Tensor | Sequence | None = None,
-    distill_weight: float = 1.0,
-    distill_temperature: float = 1.0,
-):
+    anchor, positive, *negatives, scale: float = 20.0, similarity: str = "cos",
+    matryoshka_dims: Sequence[int] | None = None, matryoshka_weights: Sequence[float] | None = None,
+    rows: torch.Tensor | None = None, false_negatives: "FalseNegatives | None" = None,
+    stats: dict | None = None, teacher_scores: torch.Tensor | Sequence | None = None,
+    distill_weight: float = 1.0, distill_temperature: float = 1.0,
+):  # fmt: skip
     """Without in-batch negatives: each anchor against its own group only, one term per row (`group_step`):
 
         l_i = LSE_j(s_ij) - s_i0,   s_i0 = tau <a_i, p_i>,  s_ij = tau <a_i, n_ij>   (j = 1..k)
 
-    rows x (1 + k) scores. The options are `contrastive_loss`'s; `rows`: the batch's indices of these rows,
-    for `false_negatives` and `teacher_scores`; `stats` adds up "masked", "seen", "masked_fraction" and
-    "accuracy" (rows whose positive scores highest in their group)."""
+    rows x (1 + k) scores. The options are `contrastive_loss`'s; `stats` adds up its counts over the chunks
+    ("_masked", "_seen", "_hits", "_rows"), giving "masked_fraction" (with masks) and "in_batch_accuracy"
+    (rows whose positive scores highest in their own group)."""
     rows = torch.arange(len(anchor)) if rows is None else rows
     counts = [0, 0]  # hard negatives masked, rows whose positive scores highest
     own_group = functools.partial(group_terms, scale=scale, rows=rows)
@@ -897,12 +893,13 @@ def group_loss(
     columns = [anchor, positive, *negatives]
     terms, _ = loss_skeleton(own_group, columns, rows_of_terms, scale, similarity, matryoshka, distill)
     if stats is not None:
-        stats["masked"] = stats.get("masked", 0) + int(counts[0])
-        stats["seen"] = stats.get("seen", 0) + len(anchor) * len(negatives) * len(matryoshka_dims or [0])
-        stats["masked_fraction"] = stats["masked"] / max(stats["seen"], 1)
-        stats["hits"] = stats.get("hits", 0) + counts[1]
-        stats["rows"] = stats.get("rows", 0) + len(anchor) * len(matryoshka_dims or [0])
-        stats["accuracy"] = stats["hits"] / stats["rows"]  # within each row's own group
+        stats["_masked"] = stats.get("_masked", 0) + int(counts[0])
+        stats["_seen"] = stats.get("_seen", 0) + len(anchor) * len(negatives) * len(matryoshka_dims or [0])
+        if false_negatives is not None:
+            stats["masked_fraction"] = stats["_masked"] / max(stats["_seen"], 1)
+        stats["_hits"] = stats.get("_hits", 0) + counts[1]
+        stats["_rows"] = stats.get("_rows", 0) + len(anchor) * len(matryoshka_dims or [0])
+        stats["in_batch_accuracy"] = stats["_hits"] / stats["_rows"]  # within each row's own group
     return terms
 
 
@@ -926,10 +923,8 @@ def loss_skeleton(own_term, columns, rows, scale, similarity, matryoshka, distil
         full = [F.normalize(c, dim=-1) for c in columns] if similarity == "cos" else columns
         student = group_scores(*full, rows=local) * scale
         teacher = torch.as_tensor(teacher_scores, dtype=student.dtype, device=student.device)[side_rows]
-        per_row = distillation(student, teacher, temperature)
-        loss = loss + (
-            distill_weight * per_row if batch_size is None else distill_weight * per_row.sum() / batch_size
-        )
+        kl = distillation(student, teacher, temperature)
+        loss = loss + (distill_weight * kl if batch_size is None else distill_weight * kl.sum() / batch_size)
     return loss, terms
 
 
@@ -1035,28 +1030,25 @@ class FalseNegatives:
         if self.guide is not None:
             guide_anchor, guide_positive, *_ = self.guide_columns(anchor.device)
             guide_thresholds = (guide_anchor[rows] * guide_positive[rows]).sum(-1) + self.guide_margin
-            guide_candidates = self.normalized_guide[anchor.device][1]
-            guided = (guide_anchor[rows], guide_candidates, guide_thresholds)
+            guided = (guide_anchor[rows], self.normalized_guide[anchor.device][1], guide_thresholds)
             reverse_guided = (guide_positive[rows], guide_anchor, guide_thresholds)
-        return TileMask(query_ids, key_ids, thresholds, guided), TileMask(
-            reverse_query_ids, reverse_key_ids, thresholds, reverse_guided
-        )
+        reverse = TileMask(reverse_query_ids, reverse_key_ids, thresholds, reverse_guided)
+        return TileMask(query_ids, key_ids, thresholds, guided), reverse
 
     def guide_columns(self, device):
         if device not in self.normalized_guide:
             guide = (torch.as_tensor(g, device=device).float() for g in self.guide)
             anchor, *others = (F.normalize(g, dim=-1) for g in guide)
             candidates = torch.cat(others)  # every column after the anchors': those columns are its views
-            columns = [anchor, *candidates.split([len(column) for column in others])]
-            self.normalized_guide[device] = columns, candidates
+            self.normalized_guide[device] = [anchor, *candidates.split([len(g) for g in others])], candidates
         return self.normalized_guide[device][0]
 
     def group_mask(self, similarities, rows):
         """Which hard negatives leave their row's group (`group_loss`): rows x k, from the rows' similarities
         to their positive (first) and hard negatives; `rows` index the batch's ids."""
         mask = torch.zeros_like(similarities[:, 1:], dtype=torch.bool)
+        rows = torch.as_tensor(rows, device=similarities.device)
         if self.ids is not None:
-            rows = torch.as_tensor(rows, device=similarities.device)
             _, positive_ids, *negative_ids = [ids[rows] for ids in self.column_ids(similarities.device)]
             others = self.other_ids(len(self.ids[0]), similarities.device)[rows]
             answers = torch.cat([positive_ids[:, None], others], 1)
@@ -1066,7 +1058,6 @@ class FalseNegatives:
             with torch.no_grad():
                 mask |= similarities[:, 1:] > self.threshold(similarities[:, :1])
         if self.guide is not None:
-            rows = torch.as_tensor(rows, device=similarities.device)
             guide_anchor, *guide_group = [g[rows] for g in self.guide_columns(similarities.device)]
             guide_scores = torch.stack([(guide_anchor * g).sum(-1) for g in guide_group], dim=1)
             mask |= guide_scores[:, 1:] > guide_scores[:, :1] + self.guide_margin
@@ -1146,10 +1137,8 @@ class TiledCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, queries, first_target, scale, tile_size, mask, hits, *keys):
         # The lowest finite number, not -inf: a row whose tile is all masked must give exp(-inf - max) = 0.
-        lowest = torch.finfo(queries.dtype).min
-        row_max = torch.full((len(queries),), lowest, dtype=queries.dtype, device=queries.device)
-        row_sum = torch.zeros_like(row_max)
-        target_scores = torch.zeros_like(row_max)
+        row_max = queries.new_full((len(queries),), torch.finfo(queries.dtype).min)
+        row_sum, target_scores = torch.zeros_like(row_max), torch.zeros_like(row_max)
         for i, j, rows, columns, block, within in tiles(len(queries), keys, tile_size):
             scores = (queries[rows] * scale) @ keys[block][within].T
             local, targets = targets_in_tile(i, j, scores.shape, first_target, queries.device)

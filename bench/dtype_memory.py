@@ -30,6 +30,8 @@ import torch
 
 import gradcache
 import train
+from train_parts import models
+from train_parts.common import flags_of
 
 DTYPES = ("float32", "bfloat16")
 
@@ -69,7 +71,10 @@ def measure(folder, dtype, device, batch_size, chunk_size, max_seq_length):
     )
     texts = harness.load_texts(batch_size)
     baseline = harness.start_peak_window(device)
-    model = train.prepare_model(train.load_model(args.model, device, **train.model_options(args)), args)
+    model = models.prepare_model(
+        models.load_model(args.model, device, **models.model_options(flags_of(models.ModelFlags, args))),
+        flags_of(models.ModelFlags, args),
+    )
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
     loss_fn = train.loss_function(args, model)

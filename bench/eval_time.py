@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from accelerate import Accelerator, InitProcessGroupKwargs  # noqa: E402
 
-import pairs  # noqa: E402
 import train  # noqa: E402
+from train_parts import logs, models, pairs  # noqa: E402
 
 
 def timed(function):
@@ -35,14 +35,14 @@ def main():
     # Several processes on a CPU: gloo, or accelerate runs each as process 0 of 1 (train.make_accelerator)
     gloo = not torch.cuda.is_available() and "LOCAL_RANK" in os.environ
     accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo" if gloo else None)])
-    model = train.load_model(args.model, str(accelerator.device), args.pooling, accelerator.print)
-    dev = train.load_pairs(args.dev_data, args.dev_columns)[0]
+    model = models.load_model(args.model, str(accelerator.device), args.pooling, accelerator.print)
+    dev = pairs.load_pairs(args.dev_data, args.dev_columns)[0]
     evaluator = pairs.build_evaluator(
-        dev, args.dev_queries, train.role_prompts(model), args.dev_corpus_size, args.seed, accelerator.print
+        dev, args.dev_queries, models.role_prompts(model), args.dev_corpus_size, args.seed, accelerator.print
     )
     model.encode(evaluator.corpus[:64])  # warm-up: the first batches pay for allocations
     every, every_seconds = timed(lambda: evaluator(model))
-    shared, shared_seconds = timed(lambda: train.evaluate(evaluator, model, accelerator, global_step=0))
+    shared, shared_seconds = timed(lambda: logs.evaluate(evaluator, model, accelerator, global_step=0))
     difference = max(abs(shared[f"eval/{name}"] - value) for name, value in every.items())
     accelerator.print(
         f"{accelerator.num_processes} process(es), {len(evaluator.queries)} queries, {len(evaluator.corpus)} "

@@ -202,6 +202,8 @@ def run_flash_attention_check(out_dir, attention="flash_attention_2", device="cu
 
     import gradcache
     import train
+    from train_parts import models
+    from train_parts.common import flags_of
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     folder = build_tiny_model(Path(out_dir), dropout=0.0, kind="decoder")
@@ -209,7 +211,10 @@ def run_flash_attention_check(out_dir, attention="flash_attention_2", device="cu
     def loaded(kernel):
         flags = ["--lora_r", "4", "--model_dtype", "bfloat16", "--attn_implementation", kernel]
         args = train.parse_args(["--model", str(folder), "--data", "unused.jsonl", *flags])
-        return train.prepare_model(train.load_model(args.model, device, **train.model_options(args)), args)
+        return models.prepare_model(
+            models.load_model(args.model, device, **models.model_options(flags_of(models.ModelFlags, args))),
+            flags_of(models.ModelFlags, args),
+        )
 
     run, reference = loaded(attention), loaded("sdpa")
     torch.manual_seed(2)  # peft starts B at zero, where A gets no gradient: a random B tests both
@@ -217,8 +222,8 @@ def run_flash_attention_check(out_dir, attention="flash_attention_2", device="cu
         if "lora_B" in name:
             torch.nn.init.normal_(parameter, std=0.1)
     reference.load_state_dict(run.state_dict())  # the adapter's A too: each load draws its own
-    prompts = train.role_prompts(run)
-    columns = [train.tokenize(run, column_texts(i, 12), c, prompts) for i, c in enumerate(COLUMNS)]
+    prompts = models.role_prompts(run)
+    columns = [models.tokenize(run, column_texts(i, 12), c, prompts) for i, c in enumerate(COLUMNS)]
     reference_loss = functools.partial(materialized_contrastive_loss, symmetric=True)
     gradients = []
     for copied, cast in ((copy.deepcopy(reference), lambda values: values), (float64(reference), float64)):

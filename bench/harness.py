@@ -94,10 +94,14 @@ def load_model(device, num_layers=None):
 
 
 def checkpoint_activations(model):
-    """Gradient checkpointing on, as train.py's --gradient_checkpointing turns it on (train.prepare_model)."""
+    """Gradient checkpointing on, as train.py's --gradient_checkpointing turns it on (prepare_model)."""
     import train  # at the repository root, next to gradcache.py
+    from train_parts import models
+    from train_parts.common import flags_of
 
-    return train.prepare_model(model, train.parse_args(["--gradient_checkpointing"]))
+    return models.prepare_model(
+        model, flags_of(models.ModelFlags, train.parse_args(["--gradient_checkpointing"]))
+    )
 
 
 def checkpointed_modules(model):
@@ -572,7 +576,7 @@ def measure_masked_loss_memory(masks, batch_size, dim, num_columns, device, tile
 def measure_guide_memory(runs, device):
     """Peak memory of train.guide_representations on one batch per run, above the state before it.
 
-    The guide is all-MiniLM-L6-v2 loaded by train.load_model and frozen as train.load_guide freezes it.
+    The guide is all-MiniLM-L6-v2 loaded by models.load_model and frozen as models.load_guide freezes it.
     Each run, (batch_size, chunk_size), encodes `batch_size` training rows, {column: texts}, as train.py
     passes them, chunk_size texts at a time (train.py's --chunk_size), after a warm-up on one chunk of
     other rows (those after the batch: the batch is the first `batch_size` rows whatever the chunk, so a
@@ -581,8 +585,9 @@ def measure_guide_memory(runs, device):
     train.py takes seconds to import); measure_in_fresh_process with one run each keeps them apart.
     """
     import train
+    from train_parts import models
 
-    guide = train.load_model(model_path(), device, say=lambda *_: None).eval().requires_grad_(False)
+    guide = models.load_model(model_path(), device, say=lambda *_: None).eval().requires_grad_(False)
 
     def gather(local):
         return local  # one process
@@ -591,12 +596,11 @@ def measure_guide_memory(runs, device):
     for batch_size, chunk_size in runs:
         warmup = min(chunk_size, batch_size)
         texts = load_texts(batch_size + warmup, repeat=torch.device(device).type == "cuda")
-        args = argparse.Namespace(chunk_size=chunk_size)
-        train.guide_representations(args, guide, {c: texts[c][batch_size:] for c in COLUMNS}, gather)
+        train.guide_representations(guide, {c: texts[c][batch_size:] for c in COLUMNS}, gather, chunk_size)
         batch = {column: texts[column][:batch_size] for column in COLUMNS}
         longest = longest_text(text_batch(guide, texts, 0, batch_size))
         baseline = start_peak_window(device)
-        reps = train.guide_representations(args, guide, batch, gather)
+        reps = train.guide_representations(guide, batch, gather, chunk_size)
         points.append(
             {
                 "batch_size": batch_size,
@@ -639,7 +643,7 @@ def build_splade_model(folder, hidden_size=32, num_layers=2):
 def measure_sparse_step_memory(batch_size, chunk_size, device, warmup_batch=8):
     """Peak memory of one training step of a SPLADE model (build_splade_model) as train.py runs it: loaded
     and prepared by train.py, its loss train.loss_function's with the FLOPS regularizers at full weight
-    (train.SparsityPenalty), through gradcache_step, AdamW included, above the state just before it (as
+    (sparse.SparsityPenalty), through gradcache_step, AdamW included, above the state just before it (as
     measure_step_memory: a tiny step has run, its gradients released), stage 2 metered apart from the
     chunks (PeakMeter). What the batch itself must hold is reported apart: its representations (stage 1's
     cache) and their gradients (stage 2's), B x columns x vocabulary fp32 each; the rest is what the step
@@ -648,13 +652,19 @@ def measure_sparse_step_memory(batch_size, chunk_size, device, warmup_batch=8):
     import types
 
     import train
+    from train_parts import models, sparse
+    from train_parts.common import flags_of
 
     with tempfile.TemporaryDirectory() as folder:
         path = build_splade_model(folder)
         args = train.parse_args(["--model", str(path), "--data", "unused.jsonl"])
-        model = train.prepare_model(train.load_model(args.model, device, say=lambda *_: None), args)
+        model = models.prepare_model(
+            models.load_model(args.model, device, say=lambda *_: None), flags_of(models.ModelFlags, args)
+        )
     after_warmup = types.SimpleNamespace(last_epoch=1)  # one step of one: the regularizers at full weight
-    penalty = train.SparsityPenalty.of(args, model, after_warmup, 1, say=lambda _: None)
+    penalty = sparse.SparsityPenalty.of(
+        flags_of(sparse.SparseFlags, args), model, after_warmup, 1, say=lambda _: None
+    )
     stats = {}
     loss_fn = partial(train.loss_function(args, model, penalty), stats=stats)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5)

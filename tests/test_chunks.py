@@ -27,6 +27,7 @@ from test_train import WORDS, build_tiny_model
 
 import gradcache
 import train
+from train_parts import models
 
 
 def random_texts(count, seed, longest=20):
@@ -174,11 +175,11 @@ def test_tokenizing_per_chunk_gives_the_gradients_of_tokenizing_the_batch(tiny_m
     # Prompts too: sentence-transformers prepends them, and the lengths must count them. The token counts
     # train.py's step sorts and budgets the chunks by: the texts tokenized unpadded.
     features = [
-        train.tokenize(whole, texts, role, PROMPTS) for texts, role in zip(columns, ROLES, strict=True)
+        models.tokenize(whole, texts, role, PROMPTS) for texts, role in zip(columns, ROLES, strict=True)
     ]
     lengths = [
         torch.tensor(
-            [len(ids) for ids in train.tokenize(per_chunk, texts, role, PROMPTS, padding=False)["input_ids"]]
+            [len(ids) for ids in models.tokenize(per_chunk, texts, role, PROMPTS, padding=False)["input_ids"]]
         )
         for texts, role in zip(columns, ROLES, strict=True)
     ]

@@ -9,7 +9,9 @@ import pytest
 from test_train import fails_with, run_main, write_rows
 
 import train
-from pairs import build_evaluator, hub_out_of_reach
+from train_parts import models, pairs
+from train_parts.common import hub_out_of_reach
+from train_parts.pairs import build_evaluator
 
 
 def test_every_record_decides_the_fields_and_each_field_is_mapped_or_listed(tmp_path, capsys):
@@ -21,17 +23,17 @@ def test_every_record_decides_the_fields_and_each_field_is_mapped_or_listed(tmp_
     path = str(write_rows(tmp_path / "flag.jsonl", rows))
     fails_with(
         capsys,
-        lambda: train.load_pairs(path),
+        lambda: pairs.load_pairs(path),
         f"{path}, line 1 has no field 'neg' (negative) that 2 other records have",
         "--columns",
         "--skip_bad_records",
     )
-    loaded, skipped = train.load_pairs(path, skip_bad_records=True)
+    loaded, skipped = pairs.load_pairs(path, skip_bad_records=True)
     assert (len(loaded), skipped) == (2, 1) and loaded[0]["negative_1"] == "n1"
     printed = capsys.readouterr().out
     assert f"{path}: anchor <- query, positive <- pos, negatives <- neg; unused: id, neg_scores" in printed
     # Training without them is said so, not guessed
-    none, _ = train.load_pairs(path, "negatives=")
+    none, _ = pairs.load_pairs(path, "negatives=")
     assert none.column_names == ["anchor", "positive"] and len(none) == 3
     assert "negatives <- none; unused: id, neg, neg_scores" in capsys.readouterr().out
 
@@ -41,7 +43,7 @@ def test_common_names_of_hard_negatives_are_negatives(tmp_path, capsys):
     all negatives, in number order; scores and ids are not."""
     row = {"anchor": "a", "positive": "p", "hard_negative": "h", "hard_negatives": ["hs"]}
     row |= {f"negative_{i}": f"n{i}" for i in (1, 2, 10)} | {"negative_score": 0.3, "neg_ids": [4]}
-    loaded, _ = train.load_pairs(str(write_rows(tmp_path / "mined.jsonl", [row])))
+    loaded, _ = pairs.load_pairs(str(write_rows(tmp_path / "mined.jsonl", [row])))
     assert list(loaded[0].values()) == ["a", "p", "h", "hs", "n1", "n2", "n10"]
     printed = capsys.readouterr().out
     assert "negatives <- hard_negative + hard_negatives + negative_1 + negative_2 + negative_10" in printed
@@ -53,8 +55,8 @@ def data_as_loaded(monkeypatch, *argv):
     stopped right after: no model is loaded (--model need only be a folder)."""
     loaded, load_data = [], train.load_data
 
-    def load_and_stop(args, accelerator):
-        loaded.append(load_data(args, accelerator))
+    def load_and_stop(args, sources, accelerator):
+        loaded.append(load_data(args, sources, accelerator))
         raise SystemExit("stopped after the data")
 
     monkeypatch.setattr(train, "load_data", load_and_stop)
@@ -87,13 +89,13 @@ def test_every_data_form_reads_the_same_rows(tmp_path, capsys):
         {"anchor": r["anchor"], "positive": r["positive"], "negative_1": r["negative"]} for r in TRIPLES
     ]
     for source in ("saved", "splits", "shards/data", "shards/*.jsonl", "pairs.tsv"):
-        loaded, _ = train.load_pairs(str(tmp_path / source))
+        loaded, _ = pairs.load_pairs(str(tmp_path / source))
         assert loaded.to_list() == expected, source
-    test_split, _ = train.load_pairs(f"{tmp_path / 'splits'}:test")
+    test_split, _ = pairs.load_pairs(f"{tmp_path / 'splits'}:test")
     assert test_split.to_list() == expected[:1]
     fails_with(
         capsys,
-        lambda: train.load_pairs(str(tmp_path / "shards/*")),
+        lambda: pairs.load_pairs(str(tmp_path / "shards/*")),
         "holds .jsonl, .md: give files of one format",
     )
 
@@ -213,7 +215,7 @@ def test_a_plain_transformers_model_needs_a_pooling(
         lambda: run_main(monkeypatch, *run, "--model", model_without_dropout, "--pooling", "cls"),
         "pools as its modules.json says. Drop --pooling.",
     )
-    model = train.load_model(str(plain), "cpu", "cls")  # as main loads it with --pooling cls
+    model = models.load_model(str(plain), "cpu", "cls")  # as main loads it with --pooling cls
     assert [module.pooling_mode for module in model if hasattr(module, "pooling_mode")] == ["cls"]
     assert f"--model {plain}: cls pooling (--pooling)" in capsys.readouterr().out
 
@@ -235,7 +237,7 @@ def test_distilling_names_the_teacher_scores_as_used(tmp_path, monkeypatch, caps
         "negatives <- neg, positive_scores <- pos_scores, negative_scores <- neg_scores; unused: id"
         in printed
     )
-    train.load_pairs(str(path))  # without distilling they are not read
+    pairs.load_pairs(str(path))  # without distilling they are not read
     assert "negatives <- neg; unused: pos_scores, neg_scores, id" in capsys.readouterr().out
 
 
@@ -245,7 +247,7 @@ def test_a_non_finite_teacher_score_is_a_bad_record(tmp_path, capsys, bad):
     rows = [dict(row) for row in SCORED]
     rows[1]["neg_scores"] = [bad]
     path = str(write_rows(tmp_path / "scored.jsonl", rows))
-    load = functools.partial(train.load_pairs, path, teacher_scores=True)
+    load = functools.partial(pairs.load_pairs, path, teacher_scores=True)
     fails_with(
         capsys,
         load,
@@ -262,7 +264,7 @@ def test_skipping_is_offered_only_where_it_leaves_records(tmp_path, capsys):
     path = str(write_rows(tmp_path / "unscored.jsonl", unscored))
     message = fails_with(
         capsys,
-        lambda: train.load_pairs(path, teacher_scores=True),
+        lambda: pairs.load_pairs(path, teacher_scores=True),
         f"{path} has no field 'pos_scores' (positive_scores), 'neg_scores' (negative_scores) in any record",
         "--columns pos_scores=",
         "--distill_weight 0",
@@ -271,7 +273,7 @@ def test_skipping_is_offered_only_where_it_leaves_records(tmp_path, capsys):
     path = str(write_rows(tmp_path / "some.jsonl", unscored[:1] + SCORED[1:]))  # the first has none
     fails_with(
         capsys,
-        lambda: train.load_pairs(path, teacher_scores=True),
+        lambda: pairs.load_pairs(path, teacher_scores=True),
         f"{path}, line 1 has no field 'pos_scores'",
         "--skip_bad_records",
     )
@@ -280,7 +282,7 @@ def test_skipping_is_offered_only_where_it_leaves_records(tmp_path, capsys):
     )  # Python's repr, not JSON
     message = fails_with(
         capsys,
-        lambda: train.load_pairs(str(tmp_path / "python.jsonl")),
+        lambda: pairs.load_pairs(str(tmp_path / "python.jsonl")),
         "line 1 is not valid JSON (column 2: expecting property name enclosed in double quotes)",
         "No record can be read",
     )
@@ -294,14 +296,14 @@ def test_a_json_syntax_error_names_its_line_column_and_cause(tmp_path, capsys):
     (tmp_path / "raw.jsonl").write_text(good + '{"anchor": "a\tb", "positive": "p"}\n')
     fails_with(
         capsys,
-        lambda: train.load_pairs(str(tmp_path / "raw.jsonl")),
+        lambda: pairs.load_pairs(str(tmp_path / "raw.jsonl")),
         "raw.jsonl, line 2 is not valid JSON (column 14: invalid control character, a raw tab or newline "
         "inside a string: write \\t or \\n)",
     )
     (tmp_path / "split.jsonl").write_text(good + '{"anchor": "a\nb", "positive": "p"}\n')  # a line cut in two
     fails_with(
         capsys,
-        lambda: train.load_pairs(str(tmp_path / "split.jsonl")),
+        lambda: pairs.load_pairs(str(tmp_path / "split.jsonl")),
         "split.jsonl, line 2 is not valid JSON (column 14: invalid control character, a raw tab or newline",
     )
     (tmp_path / "array.json").write_text(
@@ -309,7 +311,7 @@ def test_a_json_syntax_error_names_its_line_column_and_cause(tmp_path, capsys):
     )
     fails_with(
         capsys,
-        lambda: train.load_pairs(str(tmp_path / "array.json")),
+        lambda: pairs.load_pairs(str(tmp_path / "array.json")),
         "array.json is not valid JSON (line 2, column 15: invalid control character, a raw tab or newline",
         "JSON array of records",
     )

@@ -24,8 +24,8 @@ from test_gradcache import (
 from test_train import fails_with
 
 import gradcache
-import pairs
 import train
+from train_parts import pairs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -83,7 +83,7 @@ def test_cross_encoder_scores_are_train_data(tmp_path):
     score.main(["--model", str(tmp_path / "cross"), "--data", source, "--out", str(out), "--columns", columns,
                 "--batch_size", "3"])  # fmt: skip
 
-    loaded, _ = train.load_pairs(str(out), teacher_scores=True)
+    loaded, _ = pairs.load_pairs(str(out), teacher_scores=True)
     assert loaded.column_names == [
         "anchor", "positive", "negative_1", "negative_2", "positive_scores", "negative_scores"
     ]  # fmt: skip
@@ -106,11 +106,11 @@ def test_teacher_scores_must_match_the_texts(tmp_path, capsys):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"query": "q", "pos": ["p"], "neg": ["n1", "n2"], "pos_scores": [1.0],
                                 "neg_scores": [0.5]}) + "\n")  # fmt: skip
-    fails_with(capsys, lambda: train.load_pairs(str(path), teacher_scores=True), "has 1 neg_scores for 2")
+    fails_with(capsys, lambda: pairs.load_pairs(str(path), teacher_scores=True), "has 1 neg_scores for 2")
     path.write_text(json.dumps({"query": "q", "pos": "p", "s": "x", "t": 2}) + "\n")
     fails_with(
         capsys,
-        lambda: train.load_pairs(str(path), "pos_scores=s,neg_scores=t", teacher_scores=True),
+        lambda: pairs.load_pairs(str(path), "pos_scores=s,neg_scores=t", teacher_scores=True),
         "has field 's' = 'x', not a score",
     )
 

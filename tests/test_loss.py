@@ -29,6 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradcache
 import train
+from train_parts import models
+from train_parts.common import flags_of
 
 BATCH = 37  # a prime: no tile size divides it
 WIDTH = 16
@@ -300,10 +302,12 @@ def test_train_matryoshka_and_tile_arguments(tmp_path, capsys):
     model, _ = tiny_sentence_transformer(tmp_path)  # 32 dimensions
     fails_with(
         capsys,
-        lambda: train.prepare_model(model, train.parse_args(["--matryoshka_dims", "64,32"])),
+        lambda: models.prepare_model(
+            model, flags_of(models.ModelFlags, train.parse_args(["--matryoshka_dims", "64,32"]))
+        ),
         "[64] larger than the model's 32 dimensions",
     )
-    train.prepare_model(model, train.parse_args(["--matryoshka_dims", "32,8"]))
+    models.prepare_model(model, flags_of(models.ModelFlags, train.parse_args(["--matryoshka_dims", "32,8"])))
 
 
 # ---- false negatives masked inside the tiled loss ----
@@ -453,18 +457,16 @@ def test_stats_report_in_batch_accuracy_and_the_loss_of_each_matryoshka_size():
         a, c = (F.normalize(x[:, :dim], dim=-1) for x in (anchor, torch.cat([positive, negative])))
         return (a @ c.T).argmax(dim=1)[3:20].eq(torch.arange(3, 20)).float().mean().item()
 
-    assert 0.3 < stats["accuracy"] < 1
-    assert stats["accuracy"] == pytest.approx((accuracy(16) + accuracy(4)) / 2)
+    assert 0.3 < stats["in_batch_accuracy"] < 1
+    assert stats["in_batch_accuracy"] == pytest.approx((accuracy(16) + accuracy(4)) / 2)
     for dim in dims:  # the mean over the rows computed, of the loss of that size alone
         whole = gradcache.contrastive_loss(anchor[:, :dim], positive[:, :dim], negative[:, :dim])
         rows = gradcache.contrastive_loss(
             anchor[:, :dim], positive[:, :dim], negative[:, :dim], local_rows=slice(3, 20)
         )
-        assert stats["matryoshka_losses"][dim] == pytest.approx(float(rows) * BATCH / 17, rel=1e-5)
-        assert float(whole) != pytest.approx(stats["matryoshka_losses"][dim])
-    assert float(loss) == pytest.approx(
-        sum(float(value) for value in stats["matryoshka_losses"].values()) * 17 / BATCH
-    )
+        assert stats[f"loss_dim_{dim}"] == pytest.approx(float(rows) * BATCH / 17, rel=1e-5)
+        assert float(whole) != pytest.approx(stats[f"loss_dim_{dim}"])
+    assert float(loss) == pytest.approx(sum(stats[f"loss_dim_{dim}"] for dim in dims) * 17 / BATCH)
 
 
 # ---- without in-batch negatives: each anchor against its own group ----

@@ -29,6 +29,8 @@ from test_train import (
 import train
 
 # ---------------------------------------------------------------------------------------------------------
+from train_parts import models
+
 # --trust_remote_code
 # ---------------------------------------------------------------------------------------------------------
 
@@ -77,7 +79,7 @@ def test_a_model_with_its_own_code_needs_trust_remote_code(tmp_path, data, monke
     lines under a traceback), for --model and for --guide_model."""
     custom = build_custom_code_model(tmp_path)
     expected = r"runs code of its own \(config.json auto_map\): add --trust_remote_code if you trust it\.$"
-    one_line_error(capsys, lambda: train.load_model(str(custom), "cpu"), rf"--model {custom} {expected}")
+    one_line_error(capsys, lambda: models.load_model(str(custom), "cpu"), rf"--model {custom} {expected}")
     (tmp_path / "plain").mkdir()
     plain = build_tiny_model(tmp_path / "plain", dropout=0.0)
     run = ("--output_dir", tmp_path / "run", "--data", data[0], "--dev_data", "", "--batch_size", 8)
@@ -176,8 +178,8 @@ def test_a_bfloat16_base_lora_step_is_exact_against_the_same_dtypes_on_the_full_
     for name, parameter in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(parameter, std=0.1)
-    prompts = train.role_prompts(model)
-    columns = [train.tokenize(model, column_texts(i, 12), c, prompts) for i, c in enumerate(COLUMNS)]
+    prompts = models.role_prompts(model)
+    columns = [models.tokenize(model, column_texts(i, 12), c, prompts) for i, c in enumerate(COLUMNS)]
     loss_fn = functools.partial(train.loss_function(args, model), symmetric=True)
     reference_loss = functools.partial(
         materialized_contrastive_loss, scale=20.0, symmetric=True
@@ -214,8 +216,8 @@ def test_sdpa_and_eager_attention_give_the_same_gradients(tmp_path):
     folder = build_tiny_model(tmp_path, dropout=0.0)
     (sdpa, args), (eager, _) = (trained_as(folder, ["--attn_implementation", a]) for a in ("sdpa", "eager"))
     assert [m[0].auto_model.config._attn_implementation for m in (sdpa, eager)] == ["sdpa", "eager"]
-    prompts = train.role_prompts(sdpa)
-    columns = [train.tokenize(sdpa, column_texts(i), c, prompts) for i, c in enumerate(COLUMNS)]
+    prompts = models.role_prompts(sdpa)
+    columns = [models.tokenize(sdpa, column_texts(i), c, prompts) for i, c in enumerate(COLUMNS)]
     loss_fn = functools.partial(train.loss_function(args, sdpa), symmetric=True)
     reference_loss = functools.partial(
         materialized_contrastive_loss, scale=20.0, symmetric=True
@@ -244,7 +246,7 @@ def test_a_cross_encoder_is_refused_in_one_line(tmp_path, capsys):
         r"is a CrossEncoder \(config_sentence_transformers.json\): train.py trains bi-encoders "
         r"\(SentenceTransformer, SparseEncoder\)\. Pass one, or a transformers model with --pooling\.$"
     )
-    one_line_error(capsys, lambda: train.load_model(str(tmp_path / "cross"), "cpu"), expected)
+    one_line_error(capsys, lambda: models.load_model(str(tmp_path / "cross"), "cpu"), expected)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -306,8 +308,8 @@ def test_each_family_is_exact(tmp_path, family):
     for name, parameter in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(parameter, std=0.1)
-    prompts = train.role_prompts(model)
-    columns = [train.tokenize(model, column_texts(i), c, prompts) for i, c in enumerate(COLUMNS)]
+    prompts = models.role_prompts(model)
+    columns = [models.tokenize(model, column_texts(i), c, prompts) for i, c in enumerate(COLUMNS)]
     assert (columns[0]["attention_mask"][:, 0 if padding_side == "left" else -1] == 0).any()
     loss_fn = functools.partial(train.loss_function(args, model), symmetric=True)
     reference_loss = functools.partial(

@@ -12,6 +12,7 @@ import math
 import os
 import string
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from test_sources import two_source_flags
 from test_train import CONFIGS, launch, logged_scalars, run_main, weights, zero3_partitioning_everything
 
 import gradcache
-import train
+from train_parts import pairs, run
 
 FAULTS = Path(__file__).parent / "faults"
 RUN = ("--batch_size", 8, "--chunk_size", 3, "--lr", 1e-3, "--wandb_mode", "disabled", "--eval_steps", 1000)
@@ -40,6 +41,10 @@ def run_with_faults(output_dir, *args, faults=None):
     import accelerate
 
     assert "GRADCACHE_FAULT_KILL" not in (faults or {})  # it would kill the test
+    if "--resume_from_checkpoint" in args:
+        # TensorBoard reads event files in name order, <start second>.<host>.<pid>: a resume within the second
+        # the interrupted launch started, from a lower pid, would be read first and its steps purged as stale.
+        time.sleep(1.01 - time.time() % 1)
     with pytest.MonkeyPatch.context() as patch:
         if faults:
             doubled = ("cache_representation_gradients", "backpropagate_cache", "group_step")
@@ -203,7 +208,7 @@ def test_checkpoints_on_two_machines_are_completed_once_on_each_file_system(tmp_
     folders = [tmp_path / "shared"] * 2 if shared_file_system else [tmp_path / "m0", tmp_path / "m1"]
     state = {"global_step": 1}
     machines = [
-        threading.Thread(target=train.save_checkpoint, args=(Process(rank, barrier), folders[rank], state, 0))
+        threading.Thread(target=run.save_checkpoint, args=(Process(rank, barrier), folders[rank], state, 0))
         for rank in (0, 1)
     ]
     for machine in machines:
@@ -261,13 +266,13 @@ def test_every_malformed_record_is_named_or_skipped(tmp_path, capsys, good, kind
     path.write_bytes(b"\n".join(lines) + b"\n")
 
     with pytest.raises(SystemExit) as stopped:
-        train.load_pairs(str(path), max_text_chars=100)
+        pairs.load_pairs(str(path), max_text_chars=100)
     message = str(stopped.value)
     assert (
         f"{path}, line {position + 1} " in message and problem in message and "--skip_bad_records" in message
     )
 
-    dataset, skipped = train.load_pairs(str(path), skip_bad_records=True, max_text_chars=100)
+    dataset, skipped = pairs.load_pairs(str(path), skip_bad_records=True, max_text_chars=100)
     assert skipped == 1
     assert dataset.to_list() == [
         {"anchor": r["anchor"], "positive": r["positive"], "negative_1": r["negative"]} for r in good
@@ -281,7 +286,7 @@ def test_a_file_of_only_bad_records_stops_even_when_skipping(tmp_path):
     with pytest.raises(
         SystemExit, match="has no field 'anchor' .anchor., 'positive' .positive. in any record.*--columns"
     ):
-        train.load_pairs(str(path), skip_bad_records=True)
+        pairs.load_pairs(str(path), skip_bad_records=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -327,7 +332,7 @@ def test_a_non_finite_step_without_in_batch_negatives(config, tmp_path, data, mo
     if config == "cpu.yaml":
         run_with_faults(tmp_path, *args, faults={"GRADCACHE_FAULT_NAN": "2"})
         assert "step 2: loss or gradient not finite, update skipped" in "".join(capsys.readouterr())
-        step_1 = checkpoint_weights(tmp_path / "checkpoints" / "step_1")  # of train.Towers: "model." first
+        step_1 = checkpoint_weights(tmp_path / "checkpoints" / "step_1")  # of models.Towers: "model." first
         final = weights(tmp_path / "final")
         assert all(torch.equal(final[name.removeprefix("model.")], step_1[name]) for name in step_1)
         return

@@ -33,6 +33,7 @@ from test_train import (
 )
 
 import train
+from train_parts import pairs
 
 
 def texts(prefix, rows):
@@ -248,8 +249,8 @@ def replay_two_sources(sources, model_folder, dtype, distill_weight=0.5):
     from sentence_transformers import SentenceTransformer
     from transformers import get_scheduler
 
-    scored, _ = train.load_pairs(str(sources[0]), "", teacher_scores=True)
-    named, _ = train.load_pairs(str(sources[1]), "anchor=query,positive=answer,negatives=")
+    scored, _ = pairs.load_pairs(str(sources[0]), "", teacher_scores=True)
+    named, _ = pairs.load_pairs(str(sources[1]), "anchor=query,positive=answer,negatives=")
     loader = sharded_loader([scored, named], "--batch_size", 8, "--chunk_tokens", 30)
     loader.set_epoch(0)
     model = SentenceTransformer(str(model_folder), device="cpu").to(dtype).train()

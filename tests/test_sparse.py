@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 from references import StageOneRecorder
+from sentence_transformers import SparseEncoder
 from test_any_model import COLUMNS, column_texts, trained_as
 from test_gradcache import assert_gradients_exact, assert_gradients_inexact
 from test_model_flags import one_line_error
@@ -27,6 +28,9 @@ from test_train import (
 import train
 
 # Weights large enough that the regularizers move the gradients of these tiny models (their FLOPS are in the
+from train_parts import models, sparse
+from train_parts.common import flags_of
+
 # hundreds), and unequal, so that a query/document swap shows.
 QUERY_WEIGHT, DOCUMENT_WEIGHT = 2e-3, 5e-3
 
@@ -54,7 +58,9 @@ def test_the_warmup_follows_sentence_transformers_scheduler(tmp_path, total_step
     weights = ["--sparse_query_weight", QUERY_WEIGHT, "--sparse_document_weight", DOCUMENT_WEIGHT]
     model, args = trained_as(folder, [*map(str, weights), "--sparse_warmup_ratio", str(ratio)])
     schedule = types.SimpleNamespace(last_epoch=0)
-    penalty = train.SparsityPenalty.of(args, model, schedule, total_steps, say=lambda line: None)
+    penalty = sparse.SparsityPenalty.of(
+        flags_of(sparse.SparseFlags, args), model, schedule, total_steps, say=lambda line: None
+    )
     for step in range(total_steps + 2):
         schedule.last_epoch = step
         expected = splade_weights(model, total_steps, ratio, step)
@@ -66,7 +72,9 @@ def test_the_warmup_follows_sentence_transformers_scheduler(tmp_path, total_step
 def test_without_warmup_the_full_weights_apply_from_the_first_step(tmp_path):
     folder = build_tiny_model(tmp_path, dropout=0.0, kind="splade")
     model, args = trained_as(folder, ["--sparse_warmup_ratio", "0"])
-    penalty = train.SparsityPenalty.of(args, model, types.SimpleNamespace(last_epoch=0), 10, lambda _: None)
+    penalty = sparse.SparsityPenalty.of(
+        flags_of(sparse.SparseFlags, args), model, types.SimpleNamespace(last_epoch=0), 10, lambda _: None
+    )
     assert penalty.weights() == (5e-5, 3e-5)  # sentence-transformers' SpladeLoss defaults, documented
 
 
@@ -109,14 +117,16 @@ def test_a_sparse_step_is_exact_against_sentence_transformers_splade_loss(tmp_pa
         for parameter_name, parameter in model.named_parameters():
             if "lora_B" in parameter_name:
                 torch.nn.init.normal_(parameter, std=0.1)
-    assert isinstance(model, train.SparseEncoder) and model.similarity_fn_name == "dot"
+    assert isinstance(model, SparseEncoder) and model.similarity_fn_name == "dot"
     total_steps, step = 9, 2  # warm-up over 3 steps (the default ratio, 1/3): (2/3)^2 of the weights
     schedule = types.SimpleNamespace(last_epoch=step)
-    penalty = train.SparsityPenalty.of(args, model, schedule, total_steps, say=lambda line: None)
+    penalty = sparse.SparsityPenalty.of(
+        flags_of(sparse.SparseFlags, args), model, schedule, total_steps, say=lambda line: None
+    )
     query_weight, document_weight = splade_weights(model, total_steps, 1 / 3, step)
-    prompts = train.role_prompts(model)
-    columns = [train.tokenize(model, column_texts(i, 12), c, prompts) for i, c in enumerate(COLUMNS)]
-    towers = train.Towers(model) if train.is_router(model) else None
+    prompts = models.role_prompts(model)
+    columns = [models.tokenize(model, column_texts(i, 12), c, prompts) for i, c in enumerate(COLUMNS)]
+    towers = models.Towers(model) if models.is_router(model) else None
     assert (towers is not None) == (kind == "inference-free")
 
     def step_with(penalty):
@@ -134,7 +144,7 @@ def test_a_sparse_step_is_exact_against_sentence_transformers_splade_loss(tmp_pa
             (copied,) = copies
             features = [cast(dict(column)) for column in columns]
             for features_of, column in zip(features, COLUMNS, strict=True):
-                features_of["task"] = train.role_task(column)
+                features_of["task"] = models.role_task(column)
             value = loss(copied, features)
             value.backward()
             return value.detach()
@@ -146,7 +156,7 @@ def test_a_sparse_step_is_exact_against_sentence_transformers_splade_loss(tmp_pa
     # The logged numbers: active dimensions of the batch's texts as sentence-transformers counts them.
     with torch.no_grad():
         reps = [
-            model(dict(c), task=train.role_task(n))["sentence_embedding"]
+            model(dict(c), task=models.role_task(n))["sentence_embedding"]
             for c, n in zip(columns, COLUMNS, strict=True)
         ]
     assert stats["query_active_dims"] == pytest.approx(float((reps[0] > 0).sum(-1).double().mean()))

@@ -30,8 +30,8 @@ from safetensors.torch import load_file
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import pairs  # noqa: E402  (after the offline switches)
 import train  # noqa: E402
+from train_parts import models, pairs, run  # noqa: E402  (after the offline switches)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
@@ -172,6 +172,8 @@ def run_main(monkeypatch, *argv):
     try:
         wandb = () if "--wandb_mode" in map(str, argv) else ("--wandb_mode", "disabled")
         train.main(train.parse_args([*map(str, argv), *wandb]))
+    except pairs.DataError as error:  # as train.py's last lines stop on it: one line
+        raise SystemExit(f"train.py: error: {error}") from error
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
@@ -355,7 +357,7 @@ def test_resume_with_another_learning_rate_follows_the_new_schedule():
     adamw.load_state_dict(checkpoint[0].state_dict())
     scheduler.load_state_dict(checkpoint[1].state_dict())
     assert scheduler.get_last_lr() == checkpoint[1].get_last_lr()
-    train.set_peak_learning_rate(scheduler, 5e-4)
+    run.set_peak_learning_rate(scheduler, 5e-4)
     reference_adamw, reference = optimizer_and_schedule(5e-4, steps_done=4)
     for _ in range(6):
         assert scheduler.get_last_lr() == pytest.approx(reference.get_last_lr(), rel=1e-12)
@@ -457,7 +459,7 @@ def replay_full_batch(data, model_folder, dtype, processes=1, sgd=False):
         adamw = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     steps = BACKEND_ARGS[BACKEND_ARGS.index("--max_steps") + 1]
     scheduler = get_scheduler("linear", adamw, 0, steps)  # warmup: round(0.1 * 3) = 0 steps
-    train_data, _ = train.load_pairs(str(data[0]))
+    train_data, _ = pairs.load_pairs(str(data[0]))
     flags = ("--batch_size", 8, "--chunk_size", 3)  # epoch 0, seed 42
     batches = [
         iter(sharded_loader(train_data, *flags, processes=processes, process_index=rank))
@@ -741,9 +743,12 @@ def test_deepspeed_refuses_gradient_accumulation_before_training(tmp_path, data,
 
 
 def fails_with(capsys, call, *fragments):
-    with pytest.raises(SystemExit) as stopped:
+    """`call` stops in one line: train.py's own failure (SystemExit), or the data module's DataError, which
+    train.py's last lines print as one."""
+    with pytest.raises((SystemExit, pairs.DataError)) as stopped:
         call()
-    message = str(stopped.value.code) + capsys.readouterr().err
+    stop = stopped.value
+    message = str(stop.code if isinstance(stop, SystemExit) else stop) + capsys.readouterr().err
     for fragment in fragments:
         assert fragment in message
     return message
@@ -850,7 +855,7 @@ def test_json_lines_errors_name_the_line(tmp_path, capsys, line, fragments):
     path = tmp_path / "data.jsonl.gz"
     with gzip.open(path, "wt") as file:  # gzipped, as the bundled data
         file.write('{"anchor": "x", "positive": "y", "negative": "z"}\n' + line + "\n")
-    fails_with(capsys, lambda: train.load_pairs(str(path)), str(path), *fragments)
+    fails_with(capsys, lambda: pairs.load_pairs(str(path)), str(path), *fragments)
 
 
 def test_a_json_file_is_an_array_of_records_or_json_lines(tmp_path, capsys):
@@ -862,7 +867,7 @@ def test_a_json_file_is_an_array_of_records_or_json_lines(tmp_path, capsys):
     with gzip.open(tmp_path / "array.json.gz", "wt") as file:
         json.dump(rows, file)
     for name in ("array.json", "lines.json", "array.json.gz"):
-        loaded, _ = train.load_pairs(str(tmp_path / name))
+        loaded, _ = pairs.load_pairs(str(tmp_path / name))
         assert loaded.to_list() == [
             {"anchor": r["anchor"], "positive": r["positive"], "negative_1": r["negative"]} for r in rows
         ]
@@ -870,7 +875,7 @@ def test_a_json_file_is_an_array_of_records_or_json_lines(tmp_path, capsys):
     # An array is checked record by record, as JSON lines are line by line.
     bad = [rows[0], {**rows[1], "positive": " "}, ["a2", "p2"]]
     (tmp_path / "bad.json").write_text(json.dumps(bad))
-    load_bad = functools.partial(train.load_pairs, str(tmp_path / "bad.json"))
+    load_bad = functools.partial(pairs.load_pairs, str(tmp_path / "bad.json"))
     fails_with(capsys, load_bad, "bad.json, record 2 has field 'positive' empty", "--skip_bad_records")
     loaded, skipped = load_bad(skip_bad_records=True)
     assert len(loaded) == 1 and skipped == 2
@@ -880,7 +885,7 @@ def test_a_json_file_is_an_array_of_records_or_json_lines(tmp_path, capsys):
     (tmp_path / "object.json").write_text(json.dumps({"data": rows}, indent=2))
     fails_with(
         capsys,
-        lambda: train.load_pairs(str(tmp_path / "object.json")),
+        lambda: pairs.load_pairs(str(tmp_path / "object.json")),
         "holds one JSON dict over several lines",
         "JSON array of records",
         "JSON lines",
@@ -888,7 +893,7 @@ def test_a_json_file_is_an_array_of_records_or_json_lines(tmp_path, capsys):
     (tmp_path / "broken.json").write_text(json.dumps(rows, indent=2)[:-2])
     fails_with(
         capsys,
-        lambda: train.load_pairs(str(tmp_path / "broken.json")),
+        lambda: pairs.load_pairs(str(tmp_path / "broken.json")),
         "broken.json is not valid JSON (",
         "JSON array of records",
     )
@@ -904,14 +909,14 @@ def test_csv_and_parquet_load_with_a_column_mapping(tmp_path, capsys):
     table.to_csv(tmp_path / "pairs.csv", index=False)
     table.to_parquet(tmp_path / "pairs.parquet")
     for name in ("pairs.csv", "pairs.parquet"):
-        loaded, skipped = train.load_pairs(str(tmp_path / name), columns)
+        loaded, skipped = pairs.load_pairs(str(tmp_path / name), columns)
         assert skipped == 0
         assert loaded.column_names == ["anchor", "positive", "negative_1", "negative_2"]
         assert loaded[0] == {"anchor": "q1", "positive": "1990", "negative_1": "x", "negative_2": "u"}
 
     fails_with(
         capsys,
-        lambda: train.load_pairs(str(tmp_path / "pairs.csv")),
+        lambda: pairs.load_pairs(str(tmp_path / "pairs.csv")),
         "no field 'anchor' (anchor), 'positive' (positive)",
         "'answer'",
         "--columns",
@@ -919,20 +924,20 @@ def test_csv_and_parquet_load_with_a_column_mapping(tmp_path, capsys):
     table.loc[1, "n2"] = None
     table.to_csv(tmp_path / "gap.csv", index=False)
     fails_with(
-        capsys, lambda: train.load_pairs(str(tmp_path / "gap.csv"), columns), "record 2 has field 'n2' empty"
+        capsys, lambda: pairs.load_pairs(str(tmp_path / "gap.csv"), columns), "record 2 has field 'n2' empty"
     )
     fails_with(
-        capsys, lambda: train.load_pairs(str(tmp_path / "missing.csv"), columns), "no such file or folder"
+        capsys, lambda: pairs.load_pairs(str(tmp_path / "missing.csv"), columns), "no such file or folder"
     )
 
 
 def test_csv_fields_are_texts_as_written(tmp_path):
     """Read as text, not parsed: pandas made "007" 7, "1e3" 1000.0 and "NA" an empty field."""
     (tmp_path / "numeric.csv").write_text("anchor,positive\n007,1e3\n42,2.50\n")
-    loaded, _ = train.load_pairs(str(tmp_path / "numeric.csv"))
+    loaded, _ = pairs.load_pairs(str(tmp_path / "numeric.csv"))
     assert loaded.to_dict() == {"anchor": ["007", "42"], "positive": ["1e3", "2.50"]}
     (tmp_path / "missing.csv").write_text("anchor,positive,negative\nNA,null,n/a\n")
-    loaded, _ = train.load_pairs(str(tmp_path / "missing.csv"))
+    loaded, _ = pairs.load_pairs(str(tmp_path / "missing.csv"))
     assert loaded[0] == {"anchor": "NA", "positive": "null", "negative_1": "n/a"}
 
 
@@ -940,7 +945,7 @@ def test_model_and_checkpoint_errors(tmp_path, capsys, monkeypatch):
     """The checkpoint to resume from is found before anything is loaded: main stops there, or (none found) at
     the data file, which does not exist here."""
     fails_with(
-        capsys, lambda: train.load_model(str(tmp_path / "nowhere"), "cpu"), "--model: no such file or folder"
+        capsys, lambda: models.load_model(str(tmp_path / "nowhere"), "cpu"), "--model: no such file or folder"
     )
     run = ("--model", "m", "--data", tmp_path / "missing.jsonl", "--output_dir", tmp_path)
     fails_with(

@@ -5,10 +5,12 @@ Runs are train.main in this process (test_train.run_main, suite time) from a wor
 where default-named runs go to runs/; what needs a launcher is launched.
 """
 
+import secrets
 import shlex
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from test_sources import two_source_flags
 from test_train import logged_scalars, run_main, weights
 
 import train
+from train_parts import run
 
 RUN = ("--batch_size", 8, "--chunk_size", 3, "--lr", 1e-3, "--eval_steps", 1000, "--max_steps", 4)
 
@@ -36,7 +39,7 @@ def test_jobs_started_in_the_same_second_get_their_own_folders(
     frozen = time.localtime()
     monkeypatch.setattr(time, "localtime", lambda *_: frozen)
     suffixes = iter(["beef", "beef", "cafe"])
-    monkeypatch.setattr(train.secrets, "token_hex", lambda size: next(suffixes))
+    monkeypatch.setattr(secrets, "token_hex", lambda size: next(suffixes))
     flags = ("--model", model_without_dropout, "--data", data[0], *RUN, "--save_steps", 2)
     run_main(monkeypatch, *flags)
     run_main(monkeypatch, *flags, "--lr", 1e-4)
@@ -53,11 +56,11 @@ def test_jobs_started_in_the_same_second_get_their_own_folders(
 
 def test_default_run_names_carry_seconds_and_a_random_suffix():
     started = time.strptime("2026-12-01 12:30:05", "%Y-%m-%d %H:%M:%S")
-    name = train.default_run_name("models/all-MiniLM-L6-v2", "data/wordnet_train.jsonl.gz", started, "0a1b")
+    name = run.default_run_name("models/all-MiniLM-L6-v2", "data/wordnet_train.jsonl.gz", started, "0a1b")
     assert name == "all-MiniLM-L6-v2-wordnet_train-20261201-123005-0a1b"
-    names = {train.default_run_name("m", "d.jsonl", started) for _ in range(20)}
+    names = {run.default_run_name("m", "d.jsonl", started) for _ in range(20)}
     assert len(names) > 15  # 4 random hex digits
-    assert train.default_run_name("org/bge-small", ["org/nli:train", "b.csv"], started, "ff").startswith(
+    assert run.default_run_name("org/bge-small", ["org/nli:train", "b.csv"], started, "ff").startswith(
         "bge-small-nli+1-20261201-123005"
     )
 
@@ -103,9 +106,10 @@ def test_a_second_job_on_a_folder_in_use_stops_naming_the_first(
     the flags say (--overwrite too), and nothing of it is touched."""
     folder = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time, train; lock=train.lock_run_folder(train.Path(sys.argv[1]))"
-         "; print('held', flush=True); time.sleep(60)", str(folder)],
-        stdout=subprocess.PIPE, text=True, cwd=train.Path(train.__file__).parent,
+        [sys.executable, "-c", "import pathlib, sys, time; from train_parts import run; "
+         "lock = run.lock_run_folder(pathlib.Path(sys.argv[1])); print('held', flush=True); time.sleep(60)",
+         str(folder)],
+        stdout=subprocess.PIPE, text=True, cwd=Path(train.__file__).parent,
     )  # fmt: skip
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -265,7 +269,7 @@ def test_without_in_batch_negatives_the_accuracy_within_each_group_is_logged(
     negative[3] = anchor[3]  # row 3: its hard negative is the anchor itself, above its positive
     stats = {}
     gradcache.group_loss(anchor, positive, negative, stats=stats)
-    assert stats["accuracy"] == 3 / 4
+    assert stats["in_batch_accuracy"] == 3 / 4
     flags = ("--model", model_without_dropout, "--data", data[0], *RUN, "--in_batch_negatives", "off")
     run_main(monkeypatch, *flags, "--output_dir", tmp_path, "--save_steps", 0)
     assert all(0 <= value <= 1 for _, value in logged_scalars(tmp_path)["train/in_batch_accuracy"])

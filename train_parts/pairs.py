@@ -1,25 +1,28 @@
 """The data of train.py: training pairs read and checked, their batches, and the dev set. The seam to replace
-with your own data pipeline: train.py calls only these.
+with your own data pipeline: train.py uses these names and no others (the first line of `__all__`).
 
-    load_pairs(source, columns, ...) -> (datasets.Dataset, records skipped), from any --data form: a .jsonl,
-        .json, .csv, .tsv or .parquet file (optionally .gz), a folder or glob of them, a save_to_disk folder,
-        a hub data set. Columns: anchor, positive (a text or a list), negative_1..., [positive_scores,
-        negative_scores]. locate_data(source, flag) checks where a --data or --dev_data value points.
-    load_beir(folder, split, say) -> (queries, corpus, relevant docs); build_evaluator(dev, num_queries,
-        prompts, corpus_size, seed, say, sparse) -> the dev set's (Sparse)InformationRetrievalEvaluator.
-    make_loader(train_sets, BatchOrder, names) -> the training DataLoader; set_epoch orders each epoch. A
-        batch: {column: texts}, teacher_scores with a teacher's, SOURCE_COLUMN with several sources.
-    role_fields(columns, available) reads --columns; text_columns(names) the text columns, in order;
-        is_hub_name(name) and hub_out_of_reach() say whether the hub can serve a name (--model's too).
+    load_pairs(source, columns, skip_bad_records, max_text_chars, say, teacher_scores) -> (datasets.Dataset,
+        records skipped), from any --data form: a .jsonl, .json, .csv, .tsv or .parquet file (optionally
+        .gz), a folder or glob of them, a save_to_disk folder, a hub data set. Columns: anchor, positive (a
+        text or a list), negative_1..., [positive_scores, negative_scores].
+    load_dev(source, columns, skip_bad_records, max_text_chars, say) -> the dev set: pairs, or a BEIR
+        folder's (queries, corpus, relevant docs); build_evaluator(dev, num_queries, prompts, corpus_size,
+        seed, say, sparse) -> its (Sparse)InformationRetrievalEvaluator.
+    locate_data(source, flag) checks where a --data or --dev_data value points, before anything is read.
+    make_loader(train_sets, BatchOrder(...), names) -> the training DataLoader (set_epoch orders each
+        epoch); a batch is {column: texts}, with teacher_scores with a teacher's, with SOURCE_COLUMN with
+        several sources.
+    role_fields(columns, available) reads --columns; text_columns(names) gives the text columns, in order.
 
 A problem with the data raises DataError, its message the place and what to do: train.py prints it as its
-one-line failure. Nothing here imports accelerate or reads train.py's flags.
+one-line failure. Flags served: --data, --columns, --dev_data, --dev_columns, --skip_bad_records,
+--max_text_chars, --data_weights, --data_sampling (through BatchOrder). Nothing here imports accelerate or
+reads train.py's flags.
 """
 
 import collections
 import csv
 import dataclasses
-import functools
 import glob
 import gzip
 import itertools
@@ -27,9 +30,6 @@ import json
 import math
 import random
 import re
-import socket
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import datasets
@@ -40,10 +40,13 @@ from sentence_transformers.base.sampler import NoDuplicatesBatchSampler
 from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 from sentence_transformers.sparse_encoder.evaluation import SparseInformationRetrievalEvaluator
 
+from .common import hub_out_of_reach, is_hub_name
+
 # fmt: off
 __all__ = [
-    "SOURCE_COLUMN", "BatchOrder", "DataError", "PositiveDraws", "build_evaluator", "hub_out_of_reach",
-    "is_hub_name", "load_beir", "load_pairs", "locate_data", "make_loader", "role_fields", "text_columns",
+    "load_pairs", "load_dev", "build_evaluator", "locate_data", "make_loader", "BatchOrder", "role_fields",
+    "text_columns", "DataError", "SOURCE_COLUMN",
+    "load_beir", "SourceMix", "PositiveDraws",
 ]
 # fmt: on
 
@@ -354,31 +357,6 @@ def file_records(path):
     return ((f"{path}, record {i}", record) for i, record in enumerate(rows, 1))
 
 
-def is_hub_name(name):
-    """Whether `name` could be a hub repository (org/name): ./x, ~/x and a/b/c cannot."""
-    try:
-        huggingface_hub.utils.validate_repo_id(name)
-    except huggingface_hub.errors.HFValidationError:
-        return False
-    return True
-
-
-@functools.cache
-def hub_out_of_reach():
-    """Why the hub cannot be reached ("" when it can): HF_HUB_OFFLINE, or no answer within 3 s (without
-    network or HF_HUB_OFFLINE the hub clients retry each request for 23 s: a misspelled model took 100 s)."""
-    if huggingface_hub.constants.is_offline_mode():
-        return "HF_HUB_OFFLINE is set"
-    if urllib.request.getproxies().get("https"):
-        return ""  # reached through the proxy, which a direct connection cannot probe
-    endpoint = urllib.parse.urlsplit(huggingface_hub.constants.ENDPOINT)
-    try:
-        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=3).close()
-    except OSError as err:
-        return f"no network: {endpoint.hostname} did not answer ({err})"
-    return ""
-
-
 def json_array(path):
     """(place, record or what is wrong with it) for a .json[.gz] file holding one JSON array of records,
     "record N"; None for a file of JSON lines. A file holding another JSON value over several lines stops."""
@@ -619,6 +597,15 @@ class PositiveDraws(torch.utils.data.Dataset):
 # ---------------------------------------------------------------------------------------------------------
 # The dev evaluator: retrieval on pairs (their distinct positives the corpus) or on a BEIR folder
 # ---------------------------------------------------------------------------------------------------------
+
+
+def load_dev(source, columns="", skip_bad_records=False, max_text_chars=20_000, say=print):
+    """The dev set of --dev_data: a BEIR folder's (queries, corpus, relevant docs), or pairs as load_pairs
+    reads them (`columns`: --dev_columns)."""
+    kind, where, split = locate_data(source, "--dev_data")
+    if kind == "beir":
+        return load_beir(where, split, say)
+    return load_pairs(source, columns, skip_bad_records, max_text_chars, say, flag="--dev_data")[0]
 
 
 def load_beir(folder, split, say=print):
