@@ -23,6 +23,7 @@ from test_sources import two_source_flags
 from test_train import CONFIGS, launch, logged_scalars, run_main, weights, zero3_partitioning_everything
 
 import gradcache
+import train
 from train_parts import pairs, run
 
 FAULTS = Path(__file__).parent / "faults"
@@ -398,9 +399,19 @@ def test_out_of_memory_halves_the_chunk_and_keeps_the_gradients(
     if processes == 2:
         launch_with_faults(tmp_path / "auto", *args, "--auto_chunk_size", faults=faults, processes=processes)
         launch_with_faults(tmp_path / "small", *args[:-2], "--chunk_size", 2, processes=processes)
-    else:
-        run_with_faults(tmp_path / "auto", *args, "--auto_chunk_size", faults=faults)
-        run_with_faults(tmp_path / "small", *args[:-2], "--chunk_size", 2)
+    else:  # with a guide model, which must encode at the halved chunk too: one chunk size in force
+        guided, guide_chunks = ("--guide_model", model_without_dropout), []
+        encode = train.guide_representations
+
+        def recorded(guide, batch, gather, chunk_size=32):
+            guide_chunks.append(chunk_size)
+            return encode(guide, batch, gather, chunk_size)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(train, "guide_representations", recorded)
+            run_with_faults(tmp_path / "auto", *args, *guided, "--auto_chunk_size", faults=faults)
+        assert guide_chunks == [4, 2, 2]  # step 1 at 4, redone at 2; step 2 at 2
+        run_with_faults(tmp_path / "small", *args[:-2], *guided, "--chunk_size", 2)
     auto, small = weights(tmp_path / "auto" / "final"), weights(tmp_path / "small" / "final")
     assert max((auto[name] - small[name]).abs().max().item() for name in small) <= 1e-6
     assert [value for _, value in logged_scalars(tmp_path / "auto")["train/chunk_size"]] == [2, 2]
