@@ -226,7 +226,7 @@ def main(args):
     check_sources(args, sources)  # a misspelled --data, --dev_data or --model stops here, before any loading
     set_seed(args.seed)
     train_sets, dev_data, skipped_records = load_data(args, sources, accelerator)  # one per --data source
-    model = load_model(args, sources, accelerator)  # after the Accelerator: ZeRO-3 partitions it
+    model = load_model(args, sources, str(accelerator.device), accelerator.print)  # ZeRO-3 partitions it
     prompts = [models.role_prompts(model, source.query_prompt, source.document_prompt) for source in sources]
     evaluator = dev_data and args.eval_steps and make_evaluator(args, dev_data, model, prompts, accelerator)
     engine, optimizer, loader, scheduler, derived = prepare_training(
@@ -644,12 +644,10 @@ def make_evaluator(args, dev_data, model, prompts, accelerator):
     return pairs.build_evaluator(dev_data, *dev, sparse=isinstance(model, SparseEncoder))
 
 
-def load_model(args, sources, accelerator):
+def load_model(args, sources, device="cpu", say=print):
     """--model loaded (models.load_model), its sparse-encoder flags checked, and prepared as the flags say."""
-    flags, device = flags_of(models.ModelFlags, args), str(accelerator.device)
-    model = models.load_model(
-        args.model, device, args.pooling, accelerator.print, **models.model_options(flags)
-    )
+    flags = flags_of(models.ModelFlags, args)
+    model = models.load_model(args.model, device, args.pooling, say, **models.model_options(flags))
     group_only = any(source.in_batch_negatives == "off" for source in sources)
     sparse.check_flags(model, flags_of(sparse.SparseFlags, args), group_only)
     return models.prepare_model(model, flags)

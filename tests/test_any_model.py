@@ -32,7 +32,6 @@ from test_train import (
 
 import train
 from train_parts import models, pairs
-from train_parts.common import flags_of
 
 COLUMNS = ("anchor", "positive", "negative_1")
 
@@ -54,13 +53,9 @@ ARCHITECTURES = {
 
 
 def trained_as(folder, flags):
-    """The model as train.py trains it: loaded, then prepare_model with the flags."""
+    """The model as train.py trains it (train.load_model): loaded, its flags checked, prepared."""
     args = train.parse_args(["--model", str(folder), "--data", "unused.jsonl", *flags])
-    model = models.prepare_model(
-        models.load_model(args.model, "cpu", **models.model_options(flags_of(models.ModelFlags, args))),
-        flags_of(models.ModelFlags, args),
-    )
-    return model, args
+    return train.load_model(args, train.source_settings(args)), args
 
 
 def column_texts(seed, count=10):
@@ -238,7 +233,7 @@ def test_flagembedding_records_expand_lists_and_skip_scores(tmp_path, capsys):
 
     none, _ = pairs.load_pairs(str(tmp_path / "flag.jsonl"), "negatives=")
     assert none.column_names == ["anchor", "positive"]
-    with pytest.raises(SystemExit, match=r"has field 'negative_score\[0\]' = float 0.5, not a text"):
+    with pytest.raises(pairs.DataError, match=r"has field 'negative_score\[0\]' = float 0.5, not a text"):
         pairs.load_pairs(str(tmp_path / "flag.jsonl"), "negatives=neg+negative_score")
 
 
