@@ -166,7 +166,7 @@ def table(results, args):
         f"Batch {args.batch_size}, all-MiniLM-L6-v2"
         + (f" cut to its first {args.num_layers} layer(s)" if args.num_layers else "")
         + ", this project's gradcache_step with texts tokenized per chunk (as train.py runs it), with and "
-        "without `--gradient_checkpointing` (models.prepare_model). Peak: one step "
+        "without `--gradient_checkpointing` (train_parts.models.prepare_model). Peak: one step "
         "(gradient and AdamW step) above the process's memory before it, each point measured alone. Step "
         f"time: median of the per-round ratios over {args.rounds} round(s), the two models taking turns "
         "on the same batch (lowest-highest in brackets); seconds are medians.",

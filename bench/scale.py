@@ -43,7 +43,7 @@ Seven parts, on anchor, positive and hard-negative columns (d = 384 representati
     g. sparse  peak memory of one training step of a SPLADE model (harness.build_splade_model: a small random
                BERT with its masked-language-model head over MiniLM's 30,522-token vocabulary,
                SpladePooling("max")) as train.py trains it: its contrastive loss with the FLOPS regularizers
-               (train.loss_function, sparse.SparsityPenalty) through gradcache_step, chunks of --chunk_size
+               (train.loss_function, SparsityPenalty) through gradcache_step, chunks of --chunk_size
                rows, AdamW included, at two batch sizes, each in a fresh process on CPU. Representations are
                vocabulary-sized: the batch's own (stage 1's cache) and their gradients (stage 2's) are
                B x columns x 30,522 fp32 each, reported apart; what the step holds beyond them should not
