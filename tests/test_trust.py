@@ -1,0 +1,401 @@
+"""train.py end to end against replays that share none of the project's code: gradient accumulation on one and
+two processes, a non-finite step in the middle of a run, and teacher-scored positives drawn over epochs.
+
+Each run trains with SGD in place of AdamW (test_train.SGD_LR: an update is the gradient itself, so a wrong
+scale shows) and records, through a test double around gradcache.gradcache_step, the texts of every batch
+as it trained on them: the replay takes its batches from that record, never from train.py's sampler. The
+replay is sentence-transformers' public API (MultipleNegativesRankingLoss, the model's own tokenizer),
+plain torch SGD, the learning rate from the schedule's definition and the teacher's scores read from the
+raw JSON with the json module, in float32 and float64, judged by tests/references.py's rule. Each negative
+control is a replay that takes a wrong path (the accumulated batches contrasted as one, the fields
+swapped, the skipped update applied), which the run must fail.
+"""
+
+import json
+import math
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from references import assert_exact, assert_inexact, reference_objective
+from safetensors.torch import load_file
+from test_train import (
+    CONFIGS,
+    REPO,
+    SGD_LR,
+    SGD_SITECUSTOMIZE,
+    WORDS,
+    SGDInPlaceOfAdamW,
+    launch,
+    logged_scalars,
+    run_main,
+    weights,
+    write_rows,
+)
+
+import gradcache
+
+DTYPES = (torch.float32, torch.float64)
+FAULTS = Path(__file__).parent / "faults"
+
+# The texts of every batch a launched process trains on, one JSON line each, in <folder>/<rank>.jsonl.
+RECORDING_SITECUSTOMIZE = (
+    SGD_SITECUSTOMIZE
+    + """
+import json
+import os
+
+if "RANK" in os.environ:  # the launched processes, not the launcher
+    import gradcache
+
+    step = gradcache.gradcache_step
+
+    def recorded(encoder, columns, *args, **kwargs):
+        with open(os.path.join({folder!r}, os.environ["RANK"] + ".jsonl"), "a") as record:
+            record.write(json.dumps([list(texts) for texts in columns]) + "\\n")
+        return step(encoder, columns, *args, **kwargs)
+
+    gradcache.gradcache_step = recorded
+"""
+)
+
+
+def record_batches(patch):
+    """The texts of every batch train.main trains on in this process (a list it fills, one entry a batch:
+    its columns of texts), through a test double around gradcache.gradcache_step; SGD in place of AdamW."""
+    batches, step = [], gradcache.gradcache_step
+
+    def recorded(encoder, columns, *args, **kwargs):
+        batches.append([list(texts) for texts in columns])
+        return step(encoder, columns, *args, **kwargs)
+
+    patch.setattr(gradcache, "gradcache_step", recorded)
+    patch.setattr(torch.optim, "AdamW", SGDInPlaceOfAdamW)
+    return batches
+
+
+def rate_factor(updates_done, total_steps, warmup_ratio=0.1):
+    """The linear schedule as README.md defines it: the warmup steps climb to the peak, the first already at
+    peak / warmup, then a linear decay to 0 after the last step; it counts applied updates only."""
+    warmup = round(warmup_ratio * total_steps)
+    if updates_done < warmup:
+        return (updates_done + 1) / warmup
+    return max(0.0, 1 - (updates_done - warmup) / max(1, total_steps - warmup))
+
+
+def ranking_loss(model, batches):
+    """sentence-transformers' MultipleNegativesRankingLoss on each batch, their mean (what DDP and
+    accelerate's accumulation average the gradients of)."""
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    loss_fn = MultipleNegativesRankingLoss(model, scale=20.0)
+    losses = [loss_fn([model.preprocess(texts) for texts in batch], None) for batch in batches]
+    return sum(losses) / len(losses)
+
+
+def sgd_replay(model_folder, steps, dtype, total_steps, loss_fn=ranking_loss, skipped=()):
+    """Plain torch SGD at SGD_LR x rate_factor over `steps` (each: the batches of one optimizer step), no
+    clipping; the steps in `skipped` (1-based) apply nothing and leave the schedule where it was. Returns
+    each step's weights (float64), and the losses, gradient norms and rates of the steps."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(model_folder), device="cpu").to(dtype)
+    sgd = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    replayed = {"weights": [], "losses": [], "grad_norms": [], "rates": []}
+    updates_done = 0
+    for number, batches in enumerate(steps, start=1):
+        rate = SGD_LR * rate_factor(updates_done, total_steps)
+        replayed["rates"].append(rate)
+        if number not in skipped:
+            loss = loss_fn(model, batches)
+            loss.backward()
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            replayed["grad_norms"].append(
+                float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+            )
+            replayed["losses"].append(float(loss.detach()))
+            for group in sgd.param_groups:
+                group["lr"] = rate
+            sgd.step()
+            sgd.zero_grad()
+            updates_done += 1
+        replayed["weights"].append(
+            {name: w.detach().double().clone() for name, w in model.state_dict().items()}
+        )
+    return replayed
+
+
+def updates(trained, initial, names=None):
+    """What training changed, in float64, over `names` (default: every weight)."""
+    return {name: trained[name].double() - initial[name].double() for name in names or initial}
+
+
+def in_steps(batches, accumulation):
+    """A process's batches cut into optimizer steps of `accumulation` batches."""
+    assert len(batches) % accumulation == 0
+    return [batches[k : k + accumulation] for k in range(0, len(batches), accumulation)]
+
+
+def tokens(model_folder, batches):
+    """The tokens of every text of `batches`, as the model's own tokenizer counts them (no padding)."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(model_folder), device="cpu")
+    texts = [text for batch in batches for column in batch for text in column]
+    encoded = model.tokenizer(texts, truncation=True, max_length=model.max_seq_length)
+    return sum(len(ids) for ids in encoded["input_ids"])
+
+
+def check_logged_batch(run_dir, printed, model_folder, steps, processes, batch_size, accumulation):
+    """The effective batch and the negatives per anchor, logged and printed, are the launch's numbers, and the
+    logged throughput counts that batch: examples/s over tokens/s is the step's examples over its tokens."""
+    logged = logged_scalars(run_dir)
+    effective = processes * batch_size * accumulation
+    assert {value for _, value in logged["train/effective_batch_size"]} == {effective}
+    assert f"effective_batch_size: {effective}\n" in printed
+    assert f"negatives_per_example: {batch_size * 2 - 1}\n" in printed  # a positive and a hard negative
+    ratios = [
+        e / t
+        for (_, e), (_, t) in zip(
+            logged["train/examples_per_second"], logged["train/tokens_per_second"], strict=True
+        )
+    ]
+    expected = [effective / tokens(model_folder, step) for step in steps]
+    assert ratios == pytest.approx(expected, rel=1e-5)
+
+
+def judge_updates(run, replays, wrong, what):
+    """The run's updates against the right replay (float32, float64) and the wrong path's (float64 beside
+    float32), each step's weights against the initial ones."""
+    measured = assert_exact(run, *replays, what)
+    control = assert_inexact(run, *wrong, f"{what}, against the wrong path")
+    print(f"{what}: {measured}; against the wrong path {control.error:.1e}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 1. Gradient accumulation and the logged batch, end to end
+# ---------------------------------------------------------------------------------------------------------
+
+
+def one_contrast(model, batches):
+    """The wrong path: the accumulated batches contrasted together as one batch."""
+    joined = [[text for batch in batches for text in batch[column]] for column in range(len(batches[0]))]
+    return ranking_loss(model, [joined])
+
+
+def accumulation_replays(model_folder, steps):
+    """The right replays in float32 and float64, and the wrong path's (one contrast) in both."""
+    total = len(steps)
+    right = [sgd_replay(model_folder, steps, dtype, total) for dtype in DTYPES]
+    wrong = [sgd_replay(model_folder, steps, dtype, total, loss_fn=one_contrast) for dtype in DTYPES]
+    return right, wrong
+
+
+def judge_accumulation_run(run_dir, model_folder, steps, what):
+    initial = weights(model_folder)
+    right, wrong = accumulation_replays(model_folder, steps)
+    run = updates(weights(run_dir / "final"), initial)
+    last = [updates(replay["weights"][-1], initial) for replay in right]
+    wrong_last = [updates(replay["weights"][-1], initial) for replay in wrong]
+    judge_updates(run, last, wrong_last, f"{what}, updates")
+    logged = logged_scalars(run_dir)
+    for tag, key in (("train/loss", "losses"), ("train/grad_norm", "grad_norms")):
+        values = [value for _, value in logged[tag]]
+        measured = assert_exact(values, right[0][key], right[1][key], f"{what}, {tag}")
+        print(f"{what}: {tag} {measured}")
+    rates = [value for _, value in logged["train/learning_rate"]]
+    assert rates == pytest.approx(right[1]["rates"], rel=1e-6)
+
+
+@pytest.mark.parametrize("accumulation", [2, 3])
+def test_accumulation_on_one_process_matches_the_replayed_global_batch(
+    accumulation, tmp_path, data, model_without_dropout, monkeypatch, capsys
+):
+    """--gradient_accumulation_steps 2 and 3, batches of 8 in chunks of 3, in this process: every optimizer
+    step's update is SGD on the mean of sentence-transformers' loss over the step's batches; the logged
+    effective batch is 8 x the accumulation."""
+    run_dir = tmp_path / "run"
+    args = ("--model", model_without_dropout, "--data", data[0], "--dev_data", "", "--batch_size", 8)
+    args += (
+        "--chunk_size",
+        3,
+        "--gradient_accumulation_steps",
+        accumulation,
+        "--max_steps",
+        6 // accumulation,
+    )
+    args += ("--lr", SGD_LR, "--max_grad_norm", 0, "--save_steps", 0, "--output_dir", run_dir)
+    with monkeypatch.context() as patch:
+        batches = record_batches(patch)
+        run_main(monkeypatch, *args)
+    printed = capsys.readouterr().out
+    steps = in_steps(batches, accumulation)
+    assert len(steps) == 6 // accumulation and all(len(batch[0]) == 8 for batch in batches)
+    check_logged_batch(run_dir, printed, model_without_dropout, steps, 1, 8, accumulation)
+    judge_accumulation_run(run_dir, model_without_dropout, steps, f"accumulation {accumulation} x 1 process")
+
+
+def test_accumulation_on_two_processes_matches_the_replayed_global_batch(
+    tmp_path, data, model_without_dropout
+):
+    """Two DDP processes, batches of 4, --gradient_accumulation_steps 2: each optimizer step averages the
+    loss of 4 batches (2 processes x 2), recorded by each process as it trained on them; the logged
+    effective batch is 2 x 4 x 2 = 16 and the throughput counts all of it."""
+    run_dir, record = tmp_path / "run", tmp_path / "record"
+    site = tmp_path / "site"
+    site.mkdir(), record.mkdir()
+    (site / "sitecustomize.py").write_text(RECORDING_SITECUSTOMIZE.format(folder=str(record)))
+    environment = {"ACCELERATE_USE_CPU": "true", "PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
+    args = ("--model", model_without_dropout, "--data", data[0], "--dev_data", "", "--batch_size", 4)
+    args += ("--chunk_size", 3, "--gradient_accumulation_steps", 2, "--max_steps", 3, "--lr", SGD_LR)
+    args += ("--max_grad_norm", 0, "--save_steps", 0, "--wandb_mode", "disabled")
+    done = launch(CONFIGS / "cpu_ddp_2proc.yaml", run_dir, *args, processes=2, env=environment)
+    per_rank = [
+        [json.loads(line) for line in (record / f"{rank}.jsonl").read_text().splitlines()] for rank in (0, 1)
+    ]
+    steps = [a + b for a, b in zip(*(in_steps(batches, 2) for batches in per_rank), strict=True)]
+    assert len(steps) == 3 and all(len(step) == 4 for step in steps)
+    check_logged_batch(run_dir, done.stdout, model_without_dropout, steps, 2, 4, 2)
+    judge_accumulation_run(run_dir, model_without_dropout, steps, "accumulation 2 x 2 processes")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2. A non-finite step in the middle of a run
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_bad_step_in_the_middle_skips_exactly_its_update(
+    tmp_path, data, model_without_dropout, monkeypatch
+):
+    """Infinite gradients at step 3 and a NaN loss at step 5 of 6 (tests/faults/sitecustomize.py): the
+    weights of every step checkpointed (none is saved at a bad step) equal the replay that skips exactly
+    those two updates, and every logged rate is the schedule's at the updates applied so far. The wrong
+    path: the replay that applies the bad steps' batches as good ones."""
+    from test_reliability import run_with_faults
+
+    run_dir, total = tmp_path / "run", 6
+    args = ("--model", model_without_dropout, "--data", data[0], "--dev_data", "", "--max_steps", total)
+    args += ("--lr", SGD_LR, "--max_grad_norm", 0, "--save_steps", 1, "--save_total_limit", 0)
+    with monkeypatch.context() as patch:
+        batches = record_batches(patch)
+        run_with_faults(run_dir, *args, faults={"GRADCACHE_FAULT_INF": "3", "GRADCACHE_FAULT_NAN": "5"})
+    steps = in_steps(batches, 1)
+    assert len(steps) == total
+    bad = (3, 5)
+    right = [sgd_replay(model_without_dropout, steps, dtype, total, skipped=bad) for dtype in DTYPES]
+    wrong = [sgd_replay(model_without_dropout, steps, dtype, total) for dtype in DTYPES]
+    initial = weights(model_without_dropout)
+    good = [step for step in range(1, total + 1) if step not in bad]
+    assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == [f"step_{s}" for s in good]
+    for step in good:
+        trained = load_file(run_dir / "checkpoints" / f"step_{step}" / "model.safetensors")
+        names = sorted(trained)  # the model's weights, as weights() names them
+        run = updates(trained, initial, names)
+        measured = assert_exact(
+            run, *[updates(r["weights"][step - 1], initial, names) for r in right], f"step {step}"
+        )
+        print(f"bad steps 3 and 5, step {step}: updates {measured}")
+    wrong_last = [updates(replay["weights"][-1], initial, names) for replay in wrong]
+    control = assert_inexact(run, *wrong_last, "every step applied")
+    print(f"bad steps 3 and 5: against the replay applying them {control.error:.1e}")
+    logged = {tag: dict(values) for tag, values in logged_scalars(run_dir).items()}
+    assert logged["train/learning_rate"] == {
+        step: pytest.approx(rate, rel=1e-6) for step, rate in enumerate(right[1]["rates"], start=1)
+    }
+    assert [step for step, norm in logged["train/grad_norm"].items() if math.isnan(norm)] == list(bad)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 3. Teacher-scored positives, drawn anew each epoch
+# ---------------------------------------------------------------------------------------------------------
+
+
+def scored_records(count=16, positives=3):
+    """Records with several positives, each with its teacher's score, and one scored hard negative: scores far
+    apart, so that another positive's score, or the fields swapped, move the distillation's targets."""
+    rng = random.Random(5)
+
+    def text(count, tag):
+        return " ".join(rng.sample(WORDS, count)) + f" {tag}"
+
+    return [
+        {"anchor": text(4, f"a{i}"), "positive": [text(2, f"p{positives * i + j}") for j in range(positives)],
+         "negative": text(2, f"n{i}"), "pos_scores": [rng.uniform(-4, 4) for _ in range(positives)],
+         "neg_scores": [rng.uniform(-4, 4)]}
+        for i in range(count)
+    ]  # fmt: skip
+
+
+def teacher_of(path, first_only=False, swapped=False):
+    """{(anchor, drawn positive): [its score, the negative's]} read from the raw JSON lines with json. Wrong
+    paths: `first_only`, every positive with the first one's score; `swapped`, the two fields' scores
+    exchanged (the negative's score given to the positive)."""
+    scores = {}
+    for line in Path(path).read_text().splitlines():
+        record = json.loads(line)
+        for place, positive in enumerate(record["positive"]):
+            row = [record["pos_scores"][0 if first_only else place], *record["neg_scores"]]
+            scores[record["anchor"], positive] = row[::-1] if swapped else row
+    return scores
+
+
+def distilling_loss(teacher, weight):
+    """The in-batch loss plus `weight` x the KL to the teacher's scores of each row's drawn positive and
+    negative (references.reference_objective), on the model's sentence embeddings."""
+
+    def loss_fn(model, batches):
+        losses = []
+        for batch in batches:
+            reps = [model(model.preprocess(texts))["sentence_embedding"] for texts in batch]
+            rows = [teacher[anchor, positive] for anchor, positive in zip(batch[0], batch[1], strict=True)]
+            losses.append(reference_objective(*reps, texts=batch, teacher=rows, distill_weight=weight))
+        return sum(losses) / len(losses)
+
+    return loss_fn
+
+
+def test_drawn_positives_carry_their_own_teacher_scores_over_epochs(
+    tmp_path, model_without_dropout, monkeypatch
+):
+    """16 records of 3 positives each, batches of 4 over two epochs with --distill_weight 2: each
+    step's update is the replay's whose teacher scores are those of the positive the run drew (found by
+    its text in the raw JSON). Wrong paths: the first positive's score for every draw, and the two score
+    fields swapped."""
+    data = write_rows(tmp_path / "scored.jsonl", scored_records())
+    run_dir, total, weight = tmp_path / "run", 8, 2.0
+    args = ("--model", model_without_dropout, "--data", data, "--dev_data", "", "--batch_size", 4)
+    args += ("--chunk_size", 3, "--max_steps", total, "--distill_weight", weight, "--lr", SGD_LR)
+    args += ("--max_grad_norm", 0, "--save_steps", 0, "--output_dir", run_dir)
+    with monkeypatch.context() as patch:
+        batches = record_batches(patch)
+        run_main(monkeypatch, *args)
+    records = [json.loads(line) for line in data.read_text().splitlines()]
+    first_positive = {record["anchor"]: record["positive"][0] for record in records}
+    drawn = [(a, p) for batch in batches for a, p in zip(batch[0], batch[1], strict=True)]
+    assert sum(p != first_positive[a] for a, p in drawn) > len(drawn) / 2  # most draws are other positives
+    epochs = [dict(drawn[:16]), dict(drawn[16:])]
+    assert sorted(epochs[0]) == sorted(epochs[1]) and epochs[0] != epochs[1]  # drawn anew in epoch 2
+
+    steps, initial = in_steps(batches, 1), weights(model_without_dropout)
+    run = updates(weights(run_dir / "final"), initial)
+
+    def replays(teacher):
+        loss_fn = distilling_loss(teacher, weight)
+        return [
+            updates(sgd_replay(model_without_dropout, steps, t, total, loss_fn)["weights"][-1], initial)
+            for t in DTYPES
+        ]
+
+    right = replays(teacher_of(data))
+    measured = assert_exact(run, *right, "teacher-scored positives, updates")
+    print(f"scored positives over two epochs: updates {measured}")
+    wrong_paths = {
+        "the first positive's score": dict(first_only=True),
+        "the fields swapped": dict(swapped=True),
+    }
+    for name, wrong in wrong_paths.items():
+        teacher = teacher_of(data, **wrong)
+        control = assert_inexact(run, *replays(teacher), f"scored positives, {name}")
+        print(f"scored positives, against {name}: {control.error:.1e}")
