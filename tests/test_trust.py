@@ -401,3 +401,18 @@ def test_drawn_positives_carry_their_own_teacher_scores_over_epochs(
         teacher = teacher_of(data, **wrong)
         control = assert_inexact(run, *replays(teacher), f"scored positives, {name}")
         print(f"scored positives, against {name}: {control.error:.1e}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DeepSpeed's extension, built once per checkout
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_deepspeed_extensions_are_built_and_found_in_the_checkouts_own_cache():
+    """setup.sh --dev builds DeepSpeed's CPU extension where every launch of the suite looks for it (conftest
+    sets TORCH_EXTENSIONS_DIR): the checkout's own .cache, not the per-user cache that concurrent checkouts
+    rebuilt in turn."""
+    folder = REPO / ".cache" / "torch_extensions"
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(folder)
+    assert 'TORCH_EXTENSIONS_DIR="$PWD/.cache/torch_extensions"' in (REPO / "setup.sh").read_text()
+    assert ".cache/" in (REPO / ".gitignore").read_text().splitlines()
