@@ -11,15 +11,24 @@ control is a replay that takes a wrong path (the accumulated batches contrasted 
 swapped, the skipped update applied), which the run must fail.
 """
 
+import copy
 import json
 import math
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from references import assert_exact, assert_inexact, reference_objective
+from references import (
+    assert_exact,
+    assert_inexact,
+    float64,
+    materialized_contrastive_loss,
+    reference_objective,
+)
 from safetensors.torch import load_file
 from test_train import (
     CONFIGS,
@@ -401,6 +410,57 @@ def test_drawn_positives_carry_their_own_teacher_scores_over_epochs(
         teacher = teacher_of(data, **wrong)
         control = assert_inexact(run, *replays(teacher), f"scored positives, {name}")
         print(f"scored positives, against {name}: {control.error:.1e}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Caught in seconds: uneven processes' row offsets in the global batch
+# ---------------------------------------------------------------------------------------------------------
+
+
+def global_batch_gradients(encoder, batches, dtype, together=True):
+    """references.py's materialized loss on the processes' batches, its gradients by parameter name, in
+    `dtype`: the global batch contrasted as one (`together`), or the wrong path, each process's batch alone
+    (the mean of their losses: no cross-process negatives)."""
+    encoder = float64(encoder) if dtype == torch.float64 else copy.deepcopy(encoder)
+
+    def loss_of(columns):
+        return materialized_contrastive_loss(*[encoder(column)["sentence_embedding"] for column in columns])
+
+    if together:
+        keys = ("input_ids", "attention_mask")
+        joined = [{key: torch.cat([batch[c][key] for batch in batches]) for key in keys} for c in range(3)]
+        loss = loss_of(joined)
+    else:
+        loss = sum(loss_of(batch) for batch in batches) / len(batches)
+    loss.backward()
+    return {"loss": loss.detach(), "grads": {name: p.grad for name, p in encoder.named_parameters()}}
+
+
+def test_uneven_processes_contrast_the_global_batch_at_their_own_row_offsets(tmp_path):
+    """Two gloo processes (tests/offsets_worker.py) of 5 and 3 rows, one gradcache step with cross-process
+    negatives over DDP, chunks of 2: the loss and DDP's averaged gradients on both are the full global batch's
+    (8 rows contrasted together, through one graph) by references.py's rule, and not those of each batch
+    contrasted alone. Seconds, where the 3-process matrix launch took minutes; a hang fails in 30 s."""
+    from offsets_worker import uneven_batch
+    from test_gradcache import TinyEncoder
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    environment = os.environ | {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    done = subprocess.run(
+        [*torchrun, str(REPO / "tests" / "offsets_worker.py"), str(tmp_path)],
+        env=environment | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    assert all(torch.equal(ranks[0]["grads"][name], ranks[1]["grads"][name]) for name in ranks[0]["grads"])
+    torch.manual_seed(0)
+    encoder, batches = TinyEncoder(dropout=0.0), [uneven_batch(rank) for rank in (0, 1)]
+    right = [global_batch_gradients(encoder, batches, dtype) for dtype in DTYPES]
+    wrong = [global_batch_gradients(encoder, batches, dtype, together=False) for dtype in DTYPES]
+    for rank, run in enumerate(ranks):
+        measured = assert_exact(run, *right, f"rank {rank}, loss and gradients")
+        control = assert_inexact(run, *wrong, f"rank {rank}, against each batch alone")
+        print(f"uneven ranks 5 + 3, rank {rank}: {measured}; against each batch alone {control.error:.1e}")
 
 
 # ---------------------------------------------------------------------------------------------------------
