@@ -1,11 +1,13 @@
-"""Run by tests/test_trust.py under torchrun with 2 CPU processes holding uneven batches (5 and 3 rows): one
-gradcache step with cross-process negatives over DDP, its loss and gradients saved to OUT_DIR/rank<r>.pt.
+"""Run by tests/test_trust.py under torchrun with 2 CPU processes holding uneven batches (5 and 3 rows): two
+gradcache steps with cross-process negatives over DDP, plain and with false-negative masks (masked_ids),
+their losses and gradients saved to OUT_DIR/rank<r>.pt.
 
 Usage: torchrun --nproc_per_node 2 tests/offsets_worker.py OUT_DIR
 """
 
 import contextlib
 import datetime
+import functools
 import os
 import sys
 from pathlib import Path
@@ -26,6 +28,17 @@ def uneven_batch(rank):
     return [make_column(generator, ROWS[rank]) for _ in range(3)]
 
 
+def masked_ids():
+    """(ids of each column's texts, each row's other right answers) of the 8 global rows, as train.py gathers
+    them: row 6 (rank 1's second) repeats row 1's anchor; row 2's other right answers are row 6's positive
+    and row 0's hard negative, and row 7's is row 1's positive: masks across the processes' boundary."""
+    anchors, positives, negatives = torch.arange(8), 100 + torch.arange(8), 200 + torch.arange(8)
+    anchors[6] = 1
+    others = torch.full((8, 2), -1)
+    others[2], others[7, 0] = torch.tensor([106, 200]), 101
+    return [anchors, positives, negatives], others
+
+
 def main(out_dir):
     # A rank that took another path would leave the other waiting: fail in 30 s, not at the test's timeout.
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
@@ -36,12 +49,21 @@ def main(out_dir):
     def sync_context(is_last):
         return contextlib.nullcontext() if is_last else model.no_sync()
 
-    report = gradcache.gradcache_step(
-        model, uneven_batch(rank), gradcache.contrastive_loss, 2, sync_context=sync_context,
-        cross_process_negatives=True,
-    )  # fmt: skip
-    grads = {name: p.grad for name, p in model.module.named_parameters()}
-    torch.save({"loss": report.loss, "grads": grads}, Path(out_dir, f"rank{rank}.pt"))
+    ids, others = masked_ids()
+    masks = gradcache.FalseNegatives(ids=ids, other_positives=others)
+    losses = {
+        "plain": gradcache.contrastive_loss,
+        "masked": functools.partial(gradcache.contrastive_loss, false_negatives=masks, symmetric=True),
+    }
+    results = {}
+    for name, loss_fn in losses.items():
+        report = gradcache.gradcache_step(
+            model, uneven_batch(rank), loss_fn, 2, sync_context=sync_context, cross_process_negatives=True
+        )
+        grads = {name: p.grad.clone() for name, p in model.module.named_parameters()}
+        results[name] = {"loss": report.loss, "grads": grads}
+        model.zero_grad()
+    torch.save(results, Path(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)  # gloo workers now and then abort in interpreter teardown, after their work is done

@@ -26,6 +26,7 @@ from references import (
     assert_exact,
     assert_inexact,
     float64,
+    masked_contrastive_loss,
     materialized_contrastive_loss,
     reference_objective,
 )
@@ -417,14 +418,19 @@ def test_drawn_positives_carry_their_own_teacher_scores_over_epochs(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def global_batch_gradients(encoder, batches, dtype, together=True):
+def global_batch_gradients(encoder, batches, dtype, together=True, masks=None):
     """references.py's materialized loss on the processes' batches, its gradients by parameter name, in
     `dtype`: the global batch contrasted as one (`together`), or the wrong path, each process's batch alone
-    (the mean of their losses: no cross-process negatives)."""
+    (the mean of their losses: no cross-process negatives). `masks`: (ids, other positives) of the global
+    batch for masked_contrastive_loss, symmetric."""
     encoder = float64(encoder) if dtype == torch.float64 else copy.deepcopy(encoder)
 
     def loss_of(columns):
-        return materialized_contrastive_loss(*[encoder(column)["sentence_embedding"] for column in columns])
+        reps = [encoder(column)["sentence_embedding"] for column in columns]
+        if masks is None:
+            return materialized_contrastive_loss(*reps)
+        ids, others = masks
+        return masked_contrastive_loss(*reps, symmetric=True, ids=ids, other_positives=others)[0]
 
     if together:
         keys = ("input_ids", "attention_mask")
@@ -437,11 +443,13 @@ def global_batch_gradients(encoder, batches, dtype, together=True):
 
 
 def test_uneven_processes_contrast_the_global_batch_at_their_own_row_offsets(tmp_path):
-    """Two gloo processes (tests/offsets_worker.py) of 5 and 3 rows, one gradcache step with cross-process
-    negatives over DDP, chunks of 2: the loss and DDP's averaged gradients on both are the full global batch's
-    (8 rows contrasted together, through one graph) by references.py's rule, and not those of each batch
-    contrasted alone. Seconds, where the 3-process matrix launch took minutes; a hang fails in 30 s."""
-    from offsets_worker import uneven_batch
+    """Two gloo processes (tests/offsets_worker.py) of 5 and 3 rows, gradcache steps with cross-process
+    negatives over DDP, chunks of 2: the loss and DDP's averaged gradients on both are the full global
+    batch's (8 rows contrasted together, through one graph) by references.py's rule; plain, and with masks
+    of repeated anchors and of the data's other positives that cross the processes' boundary (symmetric).
+    Wrong paths: each batch contrasted alone; the masks left out. Seconds, where the 3-process matrix launch
+    took minutes; a hang fails in 30 s."""
+    from offsets_worker import masked_ids, uneven_batch
     from test_gradcache import TinyEncoder
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -452,15 +460,21 @@ def test_uneven_processes_contrast_the_global_batch_at_their_own_row_offsets(tmp
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
-    assert all(torch.equal(ranks[0]["grads"][name], ranks[1]["grads"][name]) for name in ranks[0]["grads"])
     torch.manual_seed(0)
     encoder, batches = TinyEncoder(dropout=0.0), [uneven_batch(rank) for rank in (0, 1)]
-    right = [global_batch_gradients(encoder, batches, dtype) for dtype in DTYPES]
-    wrong = [global_batch_gradients(encoder, batches, dtype, together=False) for dtype in DTYPES]
-    for rank, run in enumerate(ranks):
-        measured = assert_exact(run, *right, f"rank {rank}, loss and gradients")
-        control = assert_inexact(run, *wrong, f"rank {rank}, against each batch alone")
-        print(f"uneven ranks 5 + 3, rank {rank}: {measured}; against each batch alone {control.error:.1e}")
+    cases = {
+        "plain": ({}, {"together": False}, "each batch alone"),
+        "masked": ({"masks": masked_ids()}, {}, "the masks left out"),
+    }
+    for case, (right_path, wrong_path, wrong_name) in cases.items():
+        right = [global_batch_gradients(encoder, batches, dtype, **right_path) for dtype in DTYPES]
+        wrong = [global_batch_gradients(encoder, batches, dtype, **wrong_path) for dtype in DTYPES]
+        grads = [run[case]["grads"] for run in ranks]
+        assert all(torch.equal(grads[0][name], grads[1][name]) for name in grads[0])  # DDP's average
+        for rank, run in enumerate(ranks):
+            measured = assert_exact(run[case], *right, f"{case}, rank {rank}, loss and gradients")
+            control = assert_inexact(run[case], *wrong, f"{case}, rank {rank}, against {wrong_name}")
+            print(f"uneven ranks, {case}, rank {rank}: {measured}; against {wrong_name} {control.error:.1e}")
 
 
 # ---------------------------------------------------------------------------------------------------------
