@@ -1,6 +1,6 @@
-"""Run by tests/test_trust.py under torchrun with 2 CPU processes holding uneven batches (5 and 3 rows): two
-gradcache steps with cross-process negatives over DDP, plain and with false-negative masks (masked_ids),
-their losses and gradients saved to OUT_DIR/rank<r>.pt.
+"""Run by tests/test_trust.py under torchrun with 2 CPU processes holding uneven batches (5 and 3 rows):
+gradcache steps with cross-process negatives over DDP, plain, with false-negative masks (masked_ids), and
+in chunks of 1 (rank 1 then pads), their losses and gradients saved to OUT_DIR/rank<r>.pt.
 
 Usage: torchrun --nproc_per_node 2 tests/offsets_worker.py OUT_DIR
 """
@@ -51,15 +51,17 @@ def main(out_dir):
 
     ids, others = masked_ids()
     masks = gradcache.FalseNegatives(ids=ids, other_positives=others)
-    losses = {
-        "plain": gradcache.contrastive_loss,
-        "masked": functools.partial(gradcache.contrastive_loss, false_negatives=masks, symmetric=True),
+    cases = {  # (loss, chunk size): chunks of 1 leave rank 1 two padding chunks to match rank 0's five
+        "plain": (gradcache.contrastive_loss, 2),
+        "masked": (functools.partial(gradcache.contrastive_loss, false_negatives=masks, symmetric=True), 2),
+        "padded": (gradcache.contrastive_loss, 1),
     }
     results = {}
-    for name, loss_fn in losses.items():
+    for name, (loss_fn, chunk_size) in cases.items():
         report = gradcache.gradcache_step(
-            model, uneven_batch(rank), loss_fn, 2, sync_context=sync_context, cross_process_negatives=True
-        )
+            model, uneven_batch(rank), loss_fn, chunk_size, sync_context=sync_context,
+            cross_process_negatives=True,
+        )  # fmt: skip
         grads = {name: p.grad.clone() for name, p in model.module.named_parameters()}
         results[name] = {"loss": report.loss, "grads": grads}
         model.zero_grad()

@@ -445,8 +445,9 @@ def global_batch_gradients(encoder, batches, dtype, together=True, masks=None):
 def test_uneven_processes_contrast_the_global_batch_at_their_own_row_offsets(tmp_path):
     """Two gloo processes (tests/offsets_worker.py) of 5 and 3 rows, gradcache steps with cross-process
     negatives over DDP, chunks of 2: the loss and DDP's averaged gradients on both are the full global
-    batch's (8 rows contrasted together, through one graph) by references.py's rule; plain, and with masks
-    of repeated anchors and of the data's other positives that cross the processes' boundary (symmetric).
+    batch's (8 rows contrasted together, through one graph) by references.py's rule; plain, with masks of
+    repeated anchors and of the data's other positives that cross the processes' boundary (symmetric), and
+    in chunks of 1, where rank 1 runs two padding chunks to match rank 0's passes.
     Wrong paths: each batch contrasted alone; the masks left out. Seconds, where the 3-process matrix launch
     took minutes; a hang fails in 30 s."""
     from offsets_worker import masked_ids, uneven_batch
@@ -465,6 +466,7 @@ def test_uneven_processes_contrast_the_global_batch_at_their_own_row_offsets(tmp
     cases = {
         "plain": ({}, {"together": False}, "each batch alone"),
         "masked": ({"masks": masked_ids()}, {}, "the masks left out"),
+        "padded": ({}, {"together": False}, "each batch alone"),
     }
     for case, (right_path, wrong_path, wrong_name) in cases.items():
         right = [global_batch_gradients(encoder, batches, dtype, **right_path) for dtype in DTYPES]
