@@ -1,6 +1,7 @@
 """Run by tests/test_trust.py under torchrun with 2 CPU processes holding uneven batches (5 and 3 rows):
 gradcache steps with cross-process negatives over DDP, plain, with false-negative masks (masked_ids), and
-in chunks of 1 (rank 1 then pads), their losses and gradients saved to OUT_DIR/rank<r>.pt.
+in chunks of 1 (rank 1 then pads), and with a loss not finite on rank 1 alone; their losses, gradients
+and skip decisions saved to OUT_DIR/rank<r>.pt.
 
 Usage: torchrun --nproc_per_node 2 tests/offsets_worker.py OUT_DIR
 """
@@ -39,6 +40,12 @@ def masked_ids():
     return [anchors, positives, negatives], others
 
 
+def not_finite_on_rank_1(*reps, **options):
+    """contrastive_loss, NaN on rank 1 alone: every process must skip the step."""
+    loss = gradcache.contrastive_loss(*reps, **options)
+    return loss * float("nan") if dist.get_rank() == 1 else loss
+
+
 def main(out_dir):
     # A rank that took another path would leave the other waiting: fail in 30 s, not at the test's timeout.
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
@@ -51,19 +58,22 @@ def main(out_dir):
 
     ids, others = masked_ids()
     masks = gradcache.FalseNegatives(ids=ids, other_positives=others)
-    cases = {  # (loss, chunk size): chunks of 1 leave rank 1 two padding chunks to match rank 0's five
-        "plain": (gradcache.contrastive_loss, 2),
-        "masked": (functools.partial(gradcache.contrastive_loss, false_negatives=masks, symmetric=True), 2),
-        "padded": (gradcache.contrastive_loss, 1),
+    masked = functools.partial(gradcache.contrastive_loss, false_negatives=masks, symmetric=True)
+    cases = {  # (loss, chunk size, cross-process negatives): chunks of 1 leave rank 1 two padding chunks
+        "plain": (gradcache.contrastive_loss, 2, True),
+        "masked": (masked, 2, True),
+        "padded": (gradcache.contrastive_loss, 1, True),
+        # Each process sees its own loss alone. Last: a process that decided alone would hang the other.
+        "one_skips": (not_finite_on_rank_1, 2, False),
     }
     results = {}
-    for name, (loss_fn, chunk_size) in cases.items():
+    for name, (loss_fn, chunk_size, cross_process_negatives) in cases.items():
         report = gradcache.gradcache_step(
             model, uneven_batch(rank), loss_fn, chunk_size, sync_context=sync_context,
-            cross_process_negatives=True,
+            cross_process_negatives=cross_process_negatives,
         )  # fmt: skip
-        grads = {name: p.grad.clone() for name, p in model.module.named_parameters()}
-        results[name] = {"loss": report.loss, "grads": grads}
+        grads = {name: p.grad.clone() for name, p in model.module.named_parameters() if p.grad is not None}
+        results[name] = {"loss": report.loss, "grads": grads, "skipped": report.skipped}
         model.zero_grad()
     torch.save(results, Path(out_dir, f"rank{rank}.pt"))
     dist.barrier()
