@@ -1,5 +1,6 @@
 """train.py end to end against replays that share none of the project's code: gradient accumulation on one and
-two processes, a non-finite step in the middle of a run, and teacher-scored positives drawn over epochs.
+two processes, a non-finite step in the middle of a run, and teacher-scored positives drawn over epochs; and
+gradcache across two gloo processes of uneven batches (tests/offsets_worker.py), in seconds.
 
 Each run trains with SGD in place of AdamW (test_train.SGD_LR: an update is the gradient itself, so a wrong
 scale shows) and records, through a test double around gradcache.gradcache_step, the texts of every batch
@@ -8,7 +9,7 @@ replay is sentence-transformers' public API (MultipleNegativesRankingLoss, the m
 plain torch SGD, the learning rate from the schedule's definition and the teacher's scores read from the
 raw JSON with the json module, in float32 and float64, judged by tests/references.py's rule. Each negative
 control is a replay that takes a wrong path (the accumulated batches contrasted as one, the fields
-swapped, the skipped update applied), which the run must fail.
+swapped, the skipped update applied, the masks left out), which the run must fail.
 """
 
 import copy
@@ -48,7 +49,6 @@ from test_train import (
 import gradcache
 
 DTYPES = (torch.float32, torch.float64)
-FAULTS = Path(__file__).parent / "faults"
 
 # The texts of every batch a launched process trains on, one JSON line each, in <folder>/<rank>.jsonl.
 RECORDING_SITECUSTOMIZE = (
@@ -176,14 +176,6 @@ def check_logged_batch(run_dir, printed, model_folder, steps, processes, batch_s
     assert ratios == pytest.approx(expected, rel=1e-5)
 
 
-def judge_updates(run, replays, wrong, what):
-    """The run's updates against the right replay (float32, float64) and the wrong path's (float64 beside
-    float32), each step's weights against the initial ones."""
-    measured = assert_exact(run, *replays, what)
-    control = assert_inexact(run, *wrong, f"{what}, against the wrong path")
-    print(f"{what}: {measured}; against the wrong path {control.error:.1e}")
-
-
 # ---------------------------------------------------------------------------------------------------------
 # 1. Gradient accumulation and the logged batch, end to end
 # ---------------------------------------------------------------------------------------------------------
@@ -204,12 +196,16 @@ def accumulation_replays(model_folder, steps):
 
 
 def judge_accumulation_run(run_dir, model_folder, steps, what):
+    """The run's final updates, logged losses, gradient norms and rates against the replay; its updates
+    against the wrong path's."""
     initial = weights(model_folder)
     right, wrong = accumulation_replays(model_folder, steps)
     run = updates(weights(run_dir / "final"), initial)
     last = [updates(replay["weights"][-1], initial) for replay in right]
+    measured = assert_exact(run, *last, f"{what}, updates")
     wrong_last = [updates(replay["weights"][-1], initial) for replay in wrong]
-    judge_updates(run, last, wrong_last, f"{what}, updates")
+    control = assert_inexact(run, *wrong_last, f"{what}, updates against one contrast")
+    print(f"{what}: updates {measured}; against the batches contrasted as one {control.error:.1e}")
     logged = logged_scalars(run_dir)
     for tag, key in (("train/loss", "losses"), ("train/grad_norm", "grad_norms")):
         values = [value for _, value in logged[tag]]
