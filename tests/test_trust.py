@@ -42,6 +42,7 @@ from test_train import (
     launch,
     logged_scalars,
     run_main,
+    sgd_launch,
     weights,
     write_rows,
 )
@@ -49,6 +50,7 @@ from test_train import (
 import gradcache
 
 DTYPES = (torch.float32, torch.float64)
+FAULTS = Path(__file__).parent / "faults" / "sitecustomize.py"
 
 # The texts of every batch a launched process trains on, one JSON line each, in <folder>/<rank>.jsonl.
 RECORDING_SITECUSTOMIZE = (
@@ -57,19 +59,36 @@ RECORDING_SITECUSTOMIZE = (
 import json
 import os
 
-if "RANK" in os.environ:  # the launched processes, not the launcher
-    import gradcache
+import gradcache
 
-    step = gradcache.gradcache_step
+step = gradcache.gradcache_step
 
-    def recorded(encoder, columns, *args, **kwargs):
-        with open(os.path.join({folder!r}, os.environ["RANK"] + ".jsonl"), "a") as record:
-            record.write(json.dumps([list(texts) for texts in columns]) + "\\n")
-        return step(encoder, columns, *args, **kwargs)
 
-    gradcache.gradcache_step = recorded
+def recorded(encoder, columns, *args, **kwargs):
+    with open(os.path.join({folder!r}, os.environ.get("RANK", "0") + ".jsonl"), "a") as record:
+        record.write(json.dumps([list(texts) for texts in columns]) + "\\n")
+    return step(encoder, columns, *args, **kwargs)
+
+
+gradcache.gradcache_step = recorded
 """
 )
+
+
+def recording_environment(folder, faults=None):
+    """The environment of a launch that records its batches (RECORDING_SITECUSTOMIZE) in folder/record, with
+    SGD in place of AdamW and, given `faults` ({GRADCACHE_FAULT_*: value}), tests/faults' test doubles."""
+    site, record = folder / "site", folder / "record"
+    site.mkdir(), record.mkdir()
+    code = RECORDING_SITECUSTOMIZE.format(folder=str(record))
+    if faults:  # one sitecustomize a process: this one runs tests/faults' too
+        code += f"\nexec(compile(open({str(FAULTS)!r}).read(), {str(FAULTS)!r}, 'exec'))\n"
+    (site / "sitecustomize.py").write_text(code)
+    return {"PYTHONPATH": os.pathsep.join([str(site), str(REPO)])} | (faults or {})
+
+
+def recorded_batches(folder, rank):
+    return [json.loads(line) for line in (folder / "record" / f"{rank}.jsonl").read_text().splitlines()]
 
 
 def record_batches(patch):
@@ -249,19 +268,13 @@ def test_accumulation_on_two_processes_matches_the_replayed_global_batch(
     """Two DDP processes, batches of 4, --gradient_accumulation_steps 2: each optimizer step averages the
     loss of 4 batches (2 processes x 2), recorded by each process as it trained on them; the logged
     effective batch is 2 x 4 x 2 = 16 and the throughput counts all of it."""
-    run_dir, record = tmp_path / "run", tmp_path / "record"
-    site = tmp_path / "site"
-    site.mkdir(), record.mkdir()
-    (site / "sitecustomize.py").write_text(RECORDING_SITECUSTOMIZE.format(folder=str(record)))
-    environment = {"ACCELERATE_USE_CPU": "true", "PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
+    run_dir, environment = tmp_path / "run", {"ACCELERATE_USE_CPU": "true"} | recording_environment(tmp_path)
     args = ("--model", model_without_dropout, "--data", data[0], "--dev_data", "", "--batch_size", 4)
     args += ("--chunk_size", 3, "--gradient_accumulation_steps", 2, "--max_steps", 3, "--lr", SGD_LR)
     args += ("--max_grad_norm", 0, "--save_steps", 0, "--wandb_mode", "disabled")
     done = launch(CONFIGS / "cpu_ddp_2proc.yaml", run_dir, *args, processes=2, env=environment)
-    per_rank = [
-        [json.loads(line) for line in (record / f"{rank}.jsonl").read_text().splitlines()] for rank in (0, 1)
-    ]
-    steps = [a + b for a, b in zip(*(in_steps(batches, 2) for batches in per_rank), strict=True)]
+    per_rank = [in_steps(recorded_batches(tmp_path, rank), 2) for rank in (0, 1)]
+    steps = [a + b for a, b in zip(*per_rank, strict=True)]
     assert len(steps) == 3 and all(len(step) == 4 for step in steps)
     check_logged_batch(run_dir, done.stdout, model_without_dropout, steps, 2, 4, 2)
     judge_accumulation_run(run_dir, model_without_dropout, steps, "accumulation 2 x 2 processes")
@@ -313,6 +326,44 @@ def test_a_bad_step_in_the_middle_skips_exactly_its_update(
     wrong_last = [updates(replay["weights"][-1], initial, names) for replay in wrong]
     control = assert_inexact(run, *wrong_last, "every step applied")
     print(f"bad steps 3 and 5: against the replay applying them {control.error:.1e}")
+
+
+def test_a_bad_step_in_the_middle_under_deepspeed_skips_exactly_its_update(
+    tmp_path, data, model_without_dropout
+):
+    """ZeRO-2 in one launched process (DeepSpeed's engine steps inside the last backward, and holds the
+    gradients in its own buffers), a NaN loss at step 2 of 4: the final weights equal the replay that skips
+    exactly that update, not the one that applies it; the logged rates are the schedule's at the updates
+    applied so far."""
+    total, bad = 4, (2,)
+    config, _ = sgd_launch(tmp_path, CONFIGS / "deepspeed_zero2.yaml")  # its DeepSpeed config takes SGD
+    environment = recording_environment(tmp_path, faults={"GRADCACHE_FAULT_NAN": "2"})
+    args = ("--model", model_without_dropout, "--data", data[0], "--dev_data", "", "--max_steps", total)
+    args += ("--batch_size", 8, "--chunk_size", 3, "--lr", SGD_LR, "--max_grad_norm", 0, "--save_steps", 0)
+    done = launch(config, tmp_path / "run", *args, "--wandb_mode", "disabled", env=environment)
+    assert "DistributedType.DEEPSPEED" in done.stdout
+    assert "step 2: loss or gradient not finite, update skipped" in done.stdout
+    steps = in_steps(recorded_batches(tmp_path, 0), 1)
+    assert len(steps) == total
+    right, wrong = (
+        [
+            sgd_replay(model_without_dropout, steps, dtype, total, skipped=skipped)["weights"][-1]
+            for dtype in DTYPES
+        ]
+        for skipped in (bad, ())
+    )
+    initial = weights(model_without_dropout)
+    run = updates(weights(tmp_path / "run" / "final"), initial)
+    measured = assert_exact(run, *[updates(w, initial) for w in right], "ZeRO-2, bad step 2, updates")
+    control = assert_inexact(run, *[updates(w, initial) for w in wrong], "ZeRO-2, every step applied")
+    print(f"ZeRO-2, bad step 2: updates {measured}; against the replay applying it {control.error:.1e}")
+    logged = {tag: dict(values) for tag, values in logged_scalars(tmp_path / "run").items()}
+    assert [step for step, norm in logged["train/grad_norm"].items() if math.isnan(norm)] == list(bad)
+    applied_before = {step: step - 1 - sum(b < step for b in bad) for step in range(1, total + 1)}
+    assert logged["train/learning_rate"] == {
+        step: pytest.approx(SGD_LR * rate_factor(applied, total), rel=1e-6)
+        for step, applied in applied_before.items()
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
