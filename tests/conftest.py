@@ -1,11 +1,16 @@
 """Fixtures shared by the launch tests: tiny data files (one source, and two of other fields) and tiny models,
 built once per module."""
 
+import os
 import random
 
 import pytest
 import torch
-from test_train import ROWS, WORDS, build_tiny_model, write_rows
+from test_train import REPO, ROWS, WORDS, build_tiny_model, write_rows
+
+# DeepSpeed's CPU extension, built by setup.sh --dev, in this checkout's own cache for every launch of the
+# suite: concurrent checkouts sharing the per-user ~/.cache/torch_extensions rebuilt it in turn (87 s each).
+os.environ["TORCH_EXTENSIONS_DIR"] = str(REPO / ".cache" / "torch_extensions")
 
 # One intra-op thread in this process, as test_train.launch gives each launched one: the tiny models gain
 # nothing from two, and on a busy 2-core machine two threads spin-waiting for each other made an in-process
