@@ -47,6 +47,7 @@ from train_parts.common import check_versions, fail, flags_of, print_error
 # Before importing them, so that an older version says so instead of failing on a missing name.
 check_versions({"torch": "2.5", "accelerate": "1.0", "sentence-transformers": "6.0"})
 
+import numpy
 import psutil
 import torch
 from accelerate import Accelerator, DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
@@ -614,7 +615,9 @@ def load_data(args, sources, accelerator):
                 source.data, source.columns, *checks, teacher_scores=scored
             )
             if 0 < args.max_train_examples < len(train_data):  # of each source
-                train_data = train_data.shuffle(seed=args.seed).select(range(args.max_train_examples))
+                # kept in memory (the indices alone): no file written beside the data cache's table
+                shuffled = train_data.shuffle(seed=args.seed, keep_in_memory=True)
+                train_data = shuffled.select(range(args.max_train_examples), keep_in_memory=True)
             if negatives_per_example(source, accelerator.num_processes, train_data) == 0:  # its loss: 0
                 fail(
                     f"--batch_size {args.batch_size} on the pairs of {source.data}, without hard negatives, "
@@ -950,14 +953,31 @@ def false_negatives(args, accelerator, batch, known_positives, guide=None, guide
 def positives_by_anchor(*train_sets):
     """{anchor id: ids of its positives} for the anchors with several positives in the data (a list, or
     several records, of any source): every one of them is a right answer of the anchor, never one of its
-    negatives."""
-    positives = collections.defaultdict(set)
-    for data in train_sets:
-        for anchor, positive in zip(data["anchor"], data["positive"], strict=True):
-            positives[text_id(anchor)].update(
-                map(text_id, positive if isinstance(positive, list) else [positive])
-            )
-    return {anchor: sorted(ids) for anchor, ids in positives.items() if len(ids) > 1}
+    negatives. The records are read a batch at a time and their ids kept as arrays (16 bytes a positive):
+    memory-mapped data stays on disk, whatever the texts' lengths."""
+    anchors, positives = [], []
+    for data in train_sets:  # a datasets.Dataset, or columns as lists
+        reading = hasattr(data, "select_columns")
+        for batch in data.select_columns(["anchor", "positive"]).iter(10_000) if reading else [data]:
+            ids = []
+            for anchor, texts in zip(batch["anchor"], batch["positive"], strict=True):
+                anchor_id = text_id(anchor)
+                ids += [
+                    (anchor_id, text_id(text)) for text in (texts if isinstance(texts, list) else [texts])
+                ]
+            anchors.append(numpy.array([anchor for anchor, _ in ids], numpy.int64))
+            positives.append(numpy.array([positive for _, positive in ids], numpy.int64))
+    anchors, positives = numpy.concatenate(anchors), numpy.concatenate(positives)
+    ordered = numpy.sort(anchors)
+    repeated = numpy.unique(ordered[1:][ordered[1:] == ordered[:-1]])  # anchors of several records or texts
+    del ordered
+    if not len(repeated):
+        return {}
+    found = repeated[numpy.searchsorted(repeated, anchors).clip(max=len(repeated) - 1)] == anchors
+    several = collections.defaultdict(set)
+    for anchor, positive in zip(anchors[found].tolist(), positives[found].tolist(), strict=True):
+        several[anchor].add(positive)
+    return {anchor: sorted(ids) for anchor, ids in several.items() if len(ids) > 1}
 
 
 def text_id(text):

@@ -1,6 +1,7 @@
 """Fixtures shared by the launch tests: tiny data files (one source, and two of other fields) and tiny models,
 built once per module."""
 
+import os
 import random
 
 import pytest
@@ -11,6 +12,14 @@ from test_train import ROWS, WORDS, build_tiny_model, write_rows
 # nothing from two, and on a busy 2-core machine two threads spin-waiting for each other made an in-process
 # run of train.main two to three times slower (suite time). The bench smokes run in their own processes.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def data_cache(tmp_path_factory):
+    """The conversions of the tests' data (train_parts/records.py) in a folder of the session, not in the
+    user's datasets cache; the runs the tests launch inherit it."""
+    os.environ["GRADCACHE_DATA_CACHE"] = str(tmp_path_factory.mktemp("data_cache"))
+    return os.environ["GRADCACHE_DATA_CACHE"]
 
 
 @pytest.fixture(scope="module")

@@ -265,7 +265,7 @@ def test_every_malformed_record_is_named_or_skipped(tmp_path, capsys, good, kind
     path = tmp_path / "data.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
 
-    with pytest.raises(SystemExit) as stopped:
+    with pytest.raises(pairs.DataError) as stopped:
         pairs.load_pairs(str(path), max_text_chars=100)
     message = str(stopped.value)
     assert (
@@ -284,7 +284,8 @@ def test_a_file_of_only_bad_records_stops_even_when_skipping(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"question": "q", "answer": "a"}\n')
     with pytest.raises(
-        SystemExit, match="has no field 'anchor' .anchor., 'positive' .positive. in any record.*--columns"
+        pairs.DataError,
+        match="has no field 'anchor' .anchor., 'positive' .positive. in any record.*--columns",
     ):
         pairs.load_pairs(str(path), skip_bad_records=True)
 
