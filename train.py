@@ -48,7 +48,10 @@ from train_parts.common import check_versions, fail, flags_of, print_error
 check_versions({"torch": "2.5", "accelerate": "1.0", "sentence-transformers": "6.0"})
 
 import numpy
+import pandas
 import psutil
+import pyarrow
+import pyarrow.compute
 import torch
 from accelerate import Accelerator, DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 from accelerate.utils import ProjectConfiguration, send_to_device, set_seed
@@ -953,31 +956,35 @@ def false_negatives(args, accelerator, batch, known_positives, guide=None, guide
 def positives_by_anchor(*train_sets):
     """{anchor id: ids of its positives} for the anchors with several positives in the data (a list, or
     several records, of any source): every one of them is a right answer of the anchor, never one of its
-    negatives. The records are read a batch at a time and their ids kept as arrays (16 bytes a positive):
-    memory-mapped data stays on disk, whatever the texts' lengths."""
-    anchors, positives = [], []
-    for data in train_sets:  # a datasets.Dataset, or columns as lists
-        reading = hasattr(data, "select_columns")
-        for batch in data.select_columns(["anchor", "positive"]).iter(10_000) if reading else [data]:
-            ids = []
-            for anchor, texts in zip(batch["anchor"], batch["positive"], strict=True):
-                anchor_id = text_id(anchor)
-                ids += [
-                    (anchor_id, text_id(text)) for text in (texts if isinstance(texts, list) else [texts])
-                ]
-            anchors.append(numpy.array([anchor for anchor, _ in ids], numpy.int64))
-            positives.append(numpy.array([positive for _, positive in ids], numpy.int64))
-    anchors, positives = numpy.concatenate(anchors), numpy.concatenate(positives)
-    ordered = numpy.sort(anchors)
-    repeated = numpy.unique(ordered[1:][ordered[1:] == ordered[:-1]])  # anchors of several records or texts
+    negatives. Read in Arrow batches: a vectorized hash of every anchor (8 bytes a record) finds the anchors
+    of several records or positives, and only their rows are read as texts, for their text ids."""
+    batches = [batch for data in train_sets for batch in arrow_batches(data)]  # memory-mapped: no copies
+    quick = numpy.concatenate([pandas.util.hash_array(a.to_numpy(zero_copy_only=False)) for a, _ in batches])
+    ordered = numpy.sort(quick)
+    repeated = numpy.unique(ordered[1:][ordered[1:] == ordered[:-1]])  # a hash collision: one row more read
     del ordered
-    if not len(repeated):
-        return {}
-    found = repeated[numpy.searchsorted(repeated, anchors).clip(max=len(repeated) - 1)] == anchors
-    several = collections.defaultdict(set)
-    for anchor, positive in zip(anchors[found].tolist(), positives[found].tolist(), strict=True):
-        several[anchor].add(positive)
+    several, start = collections.defaultdict(set), 0
+    for anchors, positives in batches:
+        hashes, start = quick[start : start + len(anchors)], start + len(anchors)
+        chosen = numpy.isin(hashes, repeated)
+        if pyarrow.types.is_list(positives.type):
+            chosen |= pyarrow.compute.list_value_length(positives).to_numpy(zero_copy_only=False) > 1
+        for anchor, texts in zip(
+            anchors.filter(chosen).to_pylist(), positives.filter(chosen).to_pylist(), strict=True
+        ):
+            several[text_id(anchor)].update(map(text_id, texts if isinstance(texts, list) else [texts]))
     return {anchor: sorted(ids) for anchor, ids in several.items() if len(ids) > 1}
+
+
+def arrow_batches(data):
+    """(anchors, positives) as Arrow arrays, 10,000 records at a time, of a datasets.Dataset or of columns as
+    lists."""
+    if not hasattr(data, "with_format"):
+        positives = [texts if isinstance(texts, list) else [texts] for texts in data["positive"]]
+        yield pyarrow.array(data["anchor"]), pyarrow.array(positives)
+        return
+    for batch in data.select_columns(["anchor", "positive"]).with_format("arrow").iter(10_000):
+        yield batch["anchor"], batch["positive"]
 
 
 def text_id(text):
