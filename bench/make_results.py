@@ -563,6 +563,12 @@ def data_scale_targets(saved):
         rows.append([f"{triples:,} triples: the first batch of a reused conversion within "
                      f"{DATA_FIRST_STEP_TARGET:.0f} s of the launch", f"{first:.1f} s",
                      verdict(first, DATA_FIRST_STEP_TARGET)])  # fmt: skip
+        if first > DATA_FIRST_STEP_TARGET:
+            masks = max(r["positives_s"] for r in point["reusing"])
+            reasons.append(f"Data, {triples:,} triples: the reused first batch came {first:.1f} s after the "
+                           f"launch, {masks:.1f} s of it positives_by_anchor (--mask_repeated_texts on: "
+                           f"every anchor hashed); load average {saved['load_average']:.1f} on "
+                           f"{saved['cpus']} cores at the start.")  # fmt: skip
     if len(points) >= 2:
         (small, low), (large, high) = sorted(points.items())[0], sorted(points.items())[-1]
         peak = [max(r["data_rss_anon_peak"] for r in p["reusing"]) for p in (low, high)]
