@@ -133,3 +133,26 @@ def test_the_batch_order_over_the_table_is_the_order_over_the_records_in_memory_
     reused, _ = pairs.load_pairs(str(source))  # what a resume reads: the same batches, epoch 1 first
     assert [batches(reused, epoch) for epoch in (1, 0)] == expected[::-1]
     assert expected[0] != expected[1]
+
+
+def test_the_positives_of_each_anchor_are_collected_from_the_table_as_from_the_raw_records(tmp_path):
+    """train.positives_by_anchor over a converted table, against ids computed here from the JSON lines."""
+    import hashlib
+
+    import train
+
+    def text_id(text):  # the ids of the masks, as train.py documents them: blake2b, 8 bytes, shifted
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+    draw = random.Random(4)
+    lines = [{"anchor": f"q{draw.randrange(40)}", "positive": [f"p{draw.randrange(9)}" for _ in range(
+        draw.randrange(1, 3))], "negative": f"n{i}"} for i in range(300)]  # fmt: skip
+    lines.append({"anchor": "alone", "positive": ["one", "two"], "negative": "n"})  # several in one record
+    source = tmp_path / "pairs.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    expected = {}
+    for line in lines:
+        expected.setdefault(text_id(line["anchor"]), set()).update(map(text_id, line["positive"]))
+    expected = {anchor: sorted(ids) for anchor, ids in expected.items() if len(ids) > 1}
+    assert train.positives_by_anchor(pairs.load_pairs(str(source))[0]) == expected
+    assert text_id("alone") in expected
