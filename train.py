@@ -47,7 +47,11 @@ from train_parts.common import check_versions, fail, flags_of, print_error
 # Before importing them, so that an older version says so instead of failing on a missing name.
 check_versions({"torch": "2.5", "accelerate": "1.0", "sentence-transformers": "6.0"})
 
+import numpy
+import pandas
 import psutil
+import pyarrow
+import pyarrow.compute
 import torch
 from accelerate import Accelerator, DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 from accelerate.utils import ProjectConfiguration, send_to_device, set_seed
@@ -614,7 +618,9 @@ def load_data(args, sources, accelerator):
                 source.data, source.columns, *checks, teacher_scores=scored
             )
             if 0 < args.max_train_examples < len(train_data):  # of each source
-                train_data = train_data.shuffle(seed=args.seed).select(range(args.max_train_examples))
+                # kept in memory (the indices alone): no file written beside the data cache's table
+                shuffled = train_data.shuffle(seed=args.seed, keep_in_memory=True)
+                train_data = shuffled.select(range(args.max_train_examples), keep_in_memory=True)
             if negatives_per_example(source, accelerator.num_processes, train_data) == 0:  # its loss: 0
                 fail(
                     f"--batch_size {args.batch_size} on the pairs of {source.data}, without hard negatives, "
@@ -948,14 +954,35 @@ def false_negatives(args, accelerator, batch, known_positives, guide=None, guide
 def positives_by_anchor(*train_sets):
     """{anchor id: ids of its positives} for the anchors with several positives in the data (a list, or
     several records, of any source): every one of them is a right answer of the anchor, never one of its
-    negatives."""
-    positives = collections.defaultdict(set)
-    for data in train_sets:
-        for anchor, positive in zip(data["anchor"], data["positive"], strict=True):
-            positives[text_id(anchor)].update(
-                map(text_id, positive if isinstance(positive, list) else [positive])
-            )
-    return {anchor: sorted(ids) for anchor, ids in positives.items() if len(ids) > 1}
+    negatives. Read in Arrow batches: a vectorized hash of every anchor (8 bytes a record) finds the anchors
+    of several records or positives, and only their rows are read as texts, for their text ids."""
+    batches = [batch for data in train_sets for batch in arrow_batches(data)]  # memory-mapped: no copies
+    quick = numpy.concatenate([pandas.util.hash_array(a.to_numpy(zero_copy_only=False)) for a, _ in batches])
+    ordered = numpy.sort(quick)
+    repeated = numpy.unique(ordered[1:][ordered[1:] == ordered[:-1]])  # a hash collision: one row more read
+    del ordered
+    several, start = collections.defaultdict(set), 0
+    for anchors, positives in batches:
+        hashes, start = quick[start : start + len(anchors)], start + len(anchors)
+        chosen = numpy.isin(hashes, repeated)
+        if pyarrow.types.is_list(positives.type):
+            chosen |= pyarrow.compute.list_value_length(positives).to_numpy(zero_copy_only=False) > 1
+        for anchor, texts in zip(
+            anchors.filter(chosen).to_pylist(), positives.filter(chosen).to_pylist(), strict=True
+        ):
+            several[text_id(anchor)].update(map(text_id, texts if isinstance(texts, list) else [texts]))
+    return {anchor: sorted(ids) for anchor, ids in several.items() if len(ids) > 1}
+
+
+def arrow_batches(data):
+    """(anchors, positives) as Arrow arrays, 10,000 records at a time, of a datasets.Dataset or of columns as
+    lists."""
+    if not hasattr(data, "with_format"):
+        positives = [texts if isinstance(texts, list) else [texts] for texts in data["positive"]]
+        yield pyarrow.array(data["anchor"]), pyarrow.array(positives)
+        return
+    for batch in data.select_columns(["anchor", "positive"]).with_format("arrow").iter(10_000):
+        yield batch["anchor"], batch["positive"]
 
 
 def text_id(text):

@@ -18,6 +18,14 @@ os.environ["TORCH_EXTENSIONS_DIR"] = str(REPO / ".cache" / "torch_extensions")
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def data_cache(tmp_path_factory):
+    """The conversions of the tests' data (train_parts/records.py) in a folder of the session, not in the
+    user's datasets cache; the runs the tests launch inherit it."""
+    os.environ["GRADCACHE_DATA_CACHE"] = str(tmp_path_factory.mktemp("data_cache"))
+    return os.environ["GRADCACHE_DATA_CACHE"]
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """Train and dev JSONL with distinct texts: words shared across rows, plus one unique token per text."""

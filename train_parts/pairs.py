@@ -34,6 +34,7 @@ from pathlib import Path
 
 import datasets
 import huggingface_hub
+import numpy
 import pandas
 import torch
 from sentence_transformers.base.sampler import NoDuplicatesBatchSampler
@@ -41,6 +42,7 @@ from sentence_transformers.sentence_transformer.evaluation import InformationRet
 from sentence_transformers.sparse_encoder.evaluation import SparseInformationRetrievalEvaluator
 
 from .common import hub_out_of_reach, is_hub_name
+from .records import DataError, ExampleWriter, cached_table, stamp
 
 # fmt: off
 __all__ = [
@@ -49,10 +51,6 @@ __all__ = [
     "load_beir", "SourceMix", "PositiveDraws",
 ]
 # fmt: on
-
-
-class DataError(ValueError):
-    """The data cannot be used as given: the message names the place and what to do, in one line."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -67,46 +65,51 @@ def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000
     roles as --columns does, `say` prints the mapping (the fields of all the records: each has a role or is
     unused), `flag` names the source. Columns: anchor, positive (a list stays a list: PositiveDraws picks one
     per epoch), negative_1..., with `teacher_scores` positive_scores, negative_scores. Each record is checked
-    first: a bad one stops the run, named with its place, or with `skip_bad_records` is left out, counted."""
-    records = list(read_records(source, flag))
-    present = collections.Counter(field for _, r in records if isinstance(r, dict) for field in r)
+    first: a bad one stops the run, named with its place, or with `skip_bad_records` is left out, counted.
+    The checked records are converted once into a memory-mapped Arrow table (records.cached_table), read
+    again only when the source or these options change."""
+    kind, where, split = locate_data(source, flag)
+    found = stamp(where if kind == "files" else [where] if kind == "saved" else [])
+    if kind == "hub":  # its cached copy's fingerprint: a new download, a new conversion
+        found = [where, split, open_dataset(kind, where, split, source, flag)._fingerprint]
+    options = (columns, skip_bad_records, max_text_chars, teacher_scores)
+    convert = lambda folder: convert_pairs(source, flag, options, say, folder)  # noqa: E731
+    table, notes, fresh = cached_table(source, [found, split, flag, options], convert, flag)
+    for line in notes["said"] if not fresh else ():  # what the conversion printed, said again
+        say(line)
+    return table, notes["skipped"]
+
+
+def convert_pairs(source, flag, options, say, folder):
+    """Writes the checked examples of `source` into `folder` (records.ExampleWriter), streamed: a first pass
+    over the records finds their fields, the second checks and writes each. Returns the notes: what it said,
+    the records skipped (ExampleWriter.finish)."""
+    columns, skip_bad_records, max_text_chars, teacher_scores = options
+    examples = ExampleWriter(folder, teacher_scores, say)
+    present = collections.Counter(
+        field for _, r in read_records(source, flag) if isinstance(r, dict) for field in r
+    )
     fields, scores = mapped_fields(source, columns, present, teacher_scores)
-    say(f"train.py: {source}: {field_roles(fields + scores, present)}")
-    examples, skipped = [], []
-    for place, record in records:
+    examples.say(f"train.py: {source}: {field_roles(fields + scores, present)}")
+    skipped, first_skipped = 0, None
+    for place, record in read_records(source, flag):
         if isinstance(record, dict):  # else it says, in words, what is wrong with the record
             example = read_example(record, fields, max_text_chars, present)
             record = read_teacher_scores(record, example, scores) if teacher_scores else example
         if isinstance(record, dict):
-            examples.append(record)
+            examples.add(record)
         elif skip_bad_records:
-            skipped.append(f"{place} {record}")
+            skipped, first_skipped = skipped + 1, first_skipped or f"{place} {record}"
         else:  # skipping leaves out the bad records, not all
             todo = "Fix or delete it, or pass --skip_bad_records to leave it out" if present else NONE_READ
             raise DataError(f"{place} {record}. {todo}.")
     if skipped:
-        say(f"train.py: skipped {len(skipped)} bad records; the first: {skipped[0]}")
-    if not examples:
+        examples.say(f"train.py: skipped {skipped} bad records; the first: {first_skipped}")
+    if not examples.count:
         raise DataError(
-            f"{source} holds no usable records." + (f" The first skipped: {skipped[0]}" if skipped else "")
+            f"{source} holds no usable records." + (f" The first skipped: {first_skipped}" if skipped else "")
         )
-    table = {}
-    for role in DEFAULT_FIELDS:  # one text each; a list where any example has several
-        texts = [example[role] for example in examples]
-        table[role] = texts if max(map(len, texts)) > 1 else [text for (text,) in texts]
-    # A batch needs the same number of negatives in every row: ragged lists are cut to the shortest.
-    negatives = [example["negative"] for example in examples]
-    count, most = min(map(len, negatives)), max(map(len, negatives))
-    if count < most:
-        say(
-            f"train.py: {source}: records hold {count} to {most} negatives; each uses its first {count} "
-            "(every row of a batch needs as many). Drop the short records to keep more."
-        )
-    table |= {f"negative_{i + 1}": [texts[i] for texts in negatives] for i in range(count)}
-    if teacher_scores:
-        table["positive_scores"] = [example["positive_scores"] for example in examples]
-        table["negative_scores"] = [example["negative_scores"][:count] for example in examples]
-    return datasets.Dataset.from_dict(table), len(skipped)
+    return examples.finish(source, skipped)
 
 
 # The fields each role is read from when --columns does not name them: sentence-transformers' names, then
@@ -230,6 +233,8 @@ def read_example(record, fields, max_chars, present):
         if listed and not value:
             return f"has field {field!r} = an empty list, not a text"
         for i, text in enumerate(value if listed else [value]):
+            if isinstance(text, str) and text and not text.isspace() and len(text) <= max_chars:
+                continue  # a real text, the common case: checked in one test
             name = f"{field}[{i}]" if listed else field
             if text is None or (isinstance(text, str) and not text.strip()):
                 return f"has field {name!r} empty"
@@ -251,6 +256,12 @@ def read_records(source, flag):
         )
     if kind == "files":
         return itertools.chain.from_iterable(file_records(path) for path in where)
+    dataset = open_dataset(kind, where, split, source, flag)
+    return ((f"{source}, record {i}", record) for i, record in enumerate(dataset, 1))
+
+
+def open_dataset(kind, where, split, source, flag):
+    """The datasets.Dataset of a save_to_disk folder ("saved") or a hub data set ("hub"), its split picked."""
     saved = kind == "saved"
     try:
         dataset = datasets.load_from_disk(str(where)) if saved else datasets.load_dataset(where, split=split)
@@ -259,7 +270,7 @@ def read_records(source, flag):
     except Exception as err:
         what = "a save_to_disk folder" if saved else "a hub data set (needs network or a cached copy)"
         raise DataError(f"{flag} {source} could not be read as {what} ({type(err).__name__}: {err})") from err
-    return ((f"{source}, record {i}", record) for i, record in enumerate(dataset, 1))
+    return dataset
 
 
 # The data files read, by suffix (then optionally .gz); a folder or glob of them is read file after file.
@@ -543,8 +554,8 @@ class SourceMix(torch.utils.data.Sampler):
             used[source] += 1
             if orders.get(source, (None,))[0] != source_pass:
                 self.orders[source].set_epoch(source_pass)
-                orders[source] = source_pass, list(self.orders[source])
-            indices = orders[source][1][step * self.step_size : (step + 1) * self.step_size]
+                orders[source] = source_pass, numpy.fromiter(self.orders[source], numpy.int64)  # 8 bytes each
+            indices = orders[source][1][step * self.step_size : (step + 1) * self.step_size].tolist()
             yield from ((source, source_pass, index) for index in indices)
 
     def __len__(self):  # asked often by the DataLoader and accelerate: no new schedule each time

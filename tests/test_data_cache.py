@@ -1,0 +1,158 @@
+"""The conversion of --data sources into memory-mapped Arrow tables (train_parts/records.py, through
+pairs.load_pairs): the table holds what the raw records hold (read here with json, not with pairs.py), it is
+reused without reading the source, converted again when the source or the options change, whole when two
+processes convert at once, and a cache folder that cannot be written stops in one line naming the variable
+that moves it. The batch order over it is the order over the same records held in memory."""
+
+import json
+import multiprocessing
+import os
+import random
+
+import datasets
+import pytest
+
+from train_parts import pairs, records
+
+
+def write_triples(path, count, seed=0, bad_line=None):
+    """`count` JSON lines of anchor, positive (a list of two every third record), two negatives; with
+    `bad_line`, that line is not JSON."""
+    draw, lines = random.Random(seed), []
+    for i in range(count):
+        words = " ".join(draw.choice(["cat", "dog", "sun", "sea", "red", "ink"]) for _ in range(6))
+        positive = [f"p{i} {words}", f"q{i}"] if i % 3 == 0 else f"p{i} {words}"
+        record = {"query": f"a{i} {words}", "pos": positive, "neg": [f"n{i} one", f"n{i} two"], "id": i}
+        lines.append("{not json" if i + 1 == bad_line else json.dumps(record))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def raw_examples(path):
+    """The examples the records of a JSON lines file should give, read here with json alone."""
+    examples = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        examples.append(
+            {"anchor": record["query"], "positive": record["pos"] if isinstance(record["pos"], list) else
+             [record["pos"]], "negative_1": record["neg"][0], "negative_2": record["neg"][1]}
+        )  # fmt: skip
+    return examples
+
+
+def rows(table):
+    return [row | {"positive": list(row["positive"])} for row in table]
+
+
+def test_the_table_holds_the_raw_records_and_is_reused_without_reading_the_source(
+    tmp_path, monkeypatch, capsys
+):
+    source = write_triples(tmp_path / "triples.jsonl", 50, bad_line=7)
+    table, skipped = pairs.load_pairs(str(source), skip_bad_records=True)
+    said = capsys.readouterr().out
+    assert (skipped, rows(table)) == (1, raw_examples(source))
+    assert "query" in said and "skipped 1 bad records; the first:" in said and "line 7" in said
+    cache = records.cache_root()  # memory-mapped from the cache's file, not held in memory
+    assert [file["filename"].startswith(str(cache)) for file in table.cache_files] == [True]
+
+    def read_again(*_):
+        raise AssertionError("the source was read again")
+
+    monkeypatch.setattr(pairs, "read_records", read_again)
+    again, skipped_again = pairs.load_pairs(str(source), skip_bad_records=True)
+    assert (skipped_again, rows(again)) == (1, raw_examples(source))
+    assert capsys.readouterr().out == said  # the field line and the skipped count, said again
+
+
+def test_a_source_changed_on_disk_or_read_with_other_options_is_converted_again(tmp_path):
+    source = write_triples(tmp_path / "triples.jsonl", 30, seed=1)
+    first, _ = pairs.load_pairs(str(source))
+    times = source.stat().st_atime_ns, source.stat().st_mtime_ns
+    write_triples(source, 30, seed=2)  # the same size: other words of as many letters
+    os.utime(source, ns=times)  # ... and the same time, as a rewrite within the clock's tick
+    assert rows(pairs.load_pairs(str(source))[0]) == raw_examples(source) != rows(first)
+    with pytest.raises(pairs.DataError, match=r"over --max_text_chars 10"):
+        pairs.load_pairs(str(source), max_text_chars=10)  # the checks of other options run again
+    source.write_text(source.read_text() + json.dumps({"query": "new", "pos": "one", "neg": ["x", "y"]}))
+    assert rows(pairs.load_pairs(str(source))[0]) == raw_examples(source)
+
+
+def convert_in_a_process(source, barrier, results):
+    barrier.wait()  # both start together: both find no conversion and convert
+    try:
+        results.put(rows(pairs.load_pairs(str(source))[0]))
+    except Exception as error:
+        results.put(f"{type(error).__name__}: {error}")
+
+
+def test_two_processes_converting_at_once_leave_one_whole_conversion(tmp_path, monkeypatch):
+    monkeypatch.setenv(records.CACHE_VARIABLE, str(tmp_path / "cache"))
+    source = write_triples(tmp_path / "triples.jsonl", 20_000)
+    context = multiprocessing.get_context("fork")
+    barrier, results = context.Barrier(2), context.Queue()
+    workers = [context.Process(target=convert_in_a_process, args=(source, barrier, results)) for _ in "ab"]
+    for worker in workers:
+        worker.start()
+    tables = [results.get(timeout=300) for _ in workers]
+    for worker in workers:
+        worker.join()
+    assert [worker.exitcode for worker in workers] == [0, 0]
+    assert tables[0] == tables[1] == raw_examples(source)
+    assert [path.name.split("-")[0] for path in (tmp_path / "cache").iterdir()] == ["triples.jsonl"]
+    assert rows(pairs.load_pairs(str(source))[0]) == raw_examples(source)  # the one kept, whole
+
+
+def test_a_cache_folder_that_cannot_be_written_stops_in_one_line_naming_the_variable(tmp_path, monkeypatch):
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    monkeypatch.setenv(records.CACHE_VARIABLE, str(blocked / "cache"))
+    source = write_triples(tmp_path / "triples.jsonl", 5)
+    with pytest.raises(pairs.DataError) as error:
+        pairs.load_pairs(str(source))
+    message = str(error.value)
+    assert "\n" not in message and "cannot write the data cache" in message
+    assert f"Set {records.CACHE_VARIABLE} to a writable folder" in message
+
+
+def test_the_batch_order_over_the_table_is_the_order_over_the_records_in_memory_and_replays(tmp_path):
+    source = write_triples(tmp_path / "triples.jsonl", 64, seed=3)
+    in_memory = datasets.Dataset.from_list(raw_examples(source))
+    order = pairs.BatchOrder(batch_size=8, seed=5)
+
+    def batches(data, epoch):
+        loader = pairs.make_loader([data], order)
+        loader.sampler.set_epoch(epoch)
+        return [json.dumps(batch, sort_keys=True) for batch in loader]
+
+    converted, _ = pairs.load_pairs(str(source))
+    expected = [batches(in_memory, epoch) for epoch in (0, 1)]
+    assert [batches(converted, epoch) for epoch in (0, 1)] == expected
+    reused, _ = pairs.load_pairs(str(source))  # what a resume reads: the same batches, epoch 1 first
+    assert [batches(reused, epoch) for epoch in (1, 0)] == expected[::-1]
+    assert expected[0] != expected[1]
+
+
+def test_the_positives_of_each_anchor_are_collected_from_the_table_as_from_the_raw_records(tmp_path):
+    """train.positives_by_anchor over a converted table, against ids computed here from the JSON lines."""
+    import hashlib
+
+    import train
+
+    def text_id(text):  # the ids of the masks, as train.py documents them: blake2b, 8 bytes, shifted
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+    draw = random.Random(4)
+    lines = [{"anchor": f"q{draw.randrange(40)}", "positive": [f"p{draw.randrange(9)}" for _ in range(
+        draw.randrange(1, 3))], "negative": f"n{i}"} for i in range(300)]  # fmt: skip
+    lines.append({"anchor": "alone", "positive": ["one", "two"], "negative": "n"})  # several in one record
+    source = tmp_path / "pairs.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    expected = {}
+    for line in lines:
+        expected.setdefault(text_id(line["anchor"]), set()).update(map(text_id, line["positive"]))
+    expected = {anchor: sorted(ids) for anchor, ids in expected.items() if len(ids) > 1}
+    assert train.positives_by_anchor(pairs.load_pairs(str(source))[0]) == expected
+    assert text_id("alone") in expected
