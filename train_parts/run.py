@@ -240,15 +240,19 @@ def batches_from(progress, loader, accelerator, total_steps):
 
 
 class Preemption:
-    """SIGTERM (a cluster's notice before SIGKILL, which a launcher forwards to every worker) and Ctrl-C:
-    the handler only records the signal. The processes agree (`agreed`) at every group of chunks, so the
-    step stops at its next one, and the run saves the state of the step's start (`mark`, `rewind`): the
-    save need not wait for the step, whatever its length, within a launcher's grace (torchrun's
+    """SIGTERM (a cluster's notice before SIGKILL, which torchrun forwards to every worker), Ctrl-C and the
+    launcher's end: the handler only records the signal. The processes agree (`agreed`) at every group of
+    chunks, so the step stops at its next one, and the run saves the state of the step's start (`mark`,
+    `rewind`): the save need not wait for the step, whatever its length, within a launcher's grace (torchrun's
     TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default). A second signal, even during the save, changes
     nothing."""
 
     def __init__(self, accelerator):
         self.received, self.accelerator, self.at = set(), accelerator, None
+        # accelerate's one-process launcher runs train.py as a subprocess and dies of a SIGTERM without
+        # forwarding it: its end is the notice. Only under a launcher (its variables): a parent shell may go.
+        launched = {"ACCELERATE_MIXED_PRECISION", "LOCAL_RANK"} & set(os.environ)
+        self.launcher = os.getppid() if launched else None
         for number in (signal.SIGTERM, signal.SIGINT):
             signal.signal(number, lambda number, frame: self.received.add(signal.Signals(number).name))
         # The flag is all-reduced on the CPU: on a GPU's process group each check would wait for the kernels.
@@ -257,6 +261,8 @@ class Preemption:
 
     def agreed(self):
         """Whether any process received a signal: the same answer on every process, one all-reduce."""
+        if self.launcher is not None and os.getppid() != self.launcher:
+            self.received.add("the launcher's end")
         flag = torch.tensor(float(bool(self.received)))
         if self.group is not None:
             torch.distributed.all_reduce(flag, group=self.group)
