@@ -5,6 +5,7 @@ Runs are train.main in this process (test_train.run_main, suite time) from a wor
 where default-named runs go to runs/; what needs a launcher is launched.
 """
 
+import json
 import secrets
 import shlex
 import subprocess
@@ -75,7 +76,10 @@ def test_a_requeue_of_the_same_command_continues_the_newest_run_of_its_flags(
     flags = ("--model", model_without_dropout, "--data", data[0], *RUN, "--save_steps", 1)
     with pytest.raises(SystemExit) as exited:
         run_main(monkeypatch, *flags, "--resume_from_checkpoint", "latest")
-    assert "no run of these flags under runs has a complete checkpoint" in str(exited.value.code)
+    assert (
+        "no run of these flags and this launch (precision, backend, processes) under runs has a complete"
+        in (str(exited.value.code))
+    )
     assert not in_a_folder.exists() or not any(in_a_folder.iterdir())  # nothing created
 
     run_main(monkeypatch, *flags, "--lr", 3e-3)  # a sweep sibling, finished
@@ -293,3 +297,36 @@ def test_a_run_says_its_graph_budget_and_logs_the_groups_kept(
     kept, chunks = int(said.split(" ")[0]), int(said.split("of its ")[1].split(" ")[0])
     assert kept == chunks > 1 and "; 0 of its" in said  # every chunk its own group: none encoded twice
     assert [value for _, value in logged_scalars(tmp_path / "all")["train/kept_groups"]] == [kept, kept]
+
+
+def test_a_requeue_continues_only_a_run_of_the_same_launch(
+    in_a_folder, monkeypatch, capsys, data, model_without_dropout
+):
+    """An fp32 job and its bf16 sibling (`accelerate launch --mixed_precision bf16` sets
+    ACCELERATE_MIXED_PRECISION), of the same flags, both preempted at step 3, the bf16 one later: the fp32
+    requeue with latest continues the fp32 run (it continued the bf16 sibling's, the newer, leaving the
+    fp32 run at step 2), the bf16 requeue its own; an explicit resume of the bf16 run under fp32 stops in
+    one line naming the difference."""
+    flags = ("--model", model_without_dropout, "--data", data[0], *RUN, "--save_steps", 1)
+    folders = {}
+    for precision in ("no", "bf16"):
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", precision)
+        with pytest.raises(SystemExit):
+            run_with_faults(None, *flags, faults={"GRADCACHE_FAULT_SIGNAL": "SIGINT:3"})
+        command = shlex.split(capsys.readouterr().out.split("Continue with the same launcher and ")[1])
+        folders[precision] = command[command.index("--output_dir") + 1]
+        time.sleep(1.1)  # the next launch: another default name
+    for precision in ("no", "bf16"):
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", precision)
+        run_main(monkeypatch, *flags, "--resume_from_checkpoint", "latest")
+        assert f"continuing {folders[precision]}," in capsys.readouterr().out
+        run_dir = in_a_folder.parent / folders[precision]
+        assert (run_dir / "final").is_dir()
+        state = json.loads((run_dir / "checkpoints" / "step_4" / "trainer_state.json").read_text())
+        assert state["launch"]["mixed_precision"] == precision
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    with pytest.raises(SystemExit) as stopped:
+        run_main(monkeypatch, *flags, "--output_dir", folders["bf16"], "--resume_from_checkpoint", "latest")
+    assert "mixed_precision bf16 (this launch: no): it trained under another launch" in stopped.value.code
+    assert "\n" not in stopped.value.code
+    assert len(list(in_a_folder.iterdir())) == 2
