@@ -228,14 +228,14 @@ def test_the_copied_template_trains_alone_without_optional_packages(tmp_path):
     assert max(float(value.abs().max()) for name, value in trained.items() if "lora_B" in name) > 0
 
 
-@pytest.mark.parametrize("module", ["common", "launch", "pairs", "models", "run", "logs", "sparse"])
+@pytest.mark.parametrize("module", ["common", "launch", "pairs", "models", "run", "logs", "sparse", "final"])
 def test_the_parts_import_downward_only(module):
     """No part imports train.py, and the modules import each other downward only: common, then pairs and
-    models, then sparse and logs; launch on nothing, run on common and launch."""
+    models, then sparse, logs and final; launch on nothing, run on common and launch."""
     import ast
 
     below = {"common": set(), "launch": set(), "pairs": {"common"}, "models": {"common"}}
-    below |= {"run": {"common", "launch"}}
+    below |= {"run": {"common", "launch"}, "final": {"common", "models"}}
     below |= {"sparse": {"common", "models"}, "logs": {"common", "models"}}
     tree = ast.parse((REPO / "train_parts" / f"{module}.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level}

@@ -330,3 +330,83 @@ def test_a_requeue_continues_only_a_run_of_the_same_launch(
     assert "mixed_precision bf16 (this launch: no): it trained under another launch" in stopped.value.code
     assert "\n" not in stopped.value.code
     assert len(list(in_a_folder.iterdir())) == 2
+
+
+@pytest.mark.parametrize("kind", ["mean", "splade"])
+def test_final_holds_a_card_of_this_fine_tune(kind, tmp_path, monkeypatch, data):
+    """final/README.md was the base model's own card (all-MiniLM-L6-v2's 21 training sets): it now describes
+    the fine-tune, dense and sparse alike, through sentence-transformers' card machinery: the base model, the
+    data source with its size and columns, the loss and its settings, the batch and its chunks, the steps,
+    the learning rate, the dev metrics before and after, the command and the library versions."""
+    import importlib.metadata
+
+    from test_train import build_tiny_model
+
+    model = build_tiny_model(tmp_path, dropout=0.0, kind=kind)
+    (model / "README.md").write_text("# The base model\n\nTrained on 21 data sets of its own.\n")
+    flags = (
+        "--model",
+        model,
+        "--data",
+        data[0],
+        "--dev_data",
+        data[1],
+        *RUN,
+        "--output_dir",
+        tmp_path / "run",
+    )
+    run_main(monkeypatch, *flags, "--false_negative_margin", 0.1)
+    card = (tmp_path / "run" / "final" / "README.md").read_text()
+    assert "21 data sets" not in card and "# The base model" not in card
+    examples = len(Path(data[0]).read_text().splitlines())
+    assert "# model fine-tuned with Gradient Cache" in card and f"`model`: {model}" in card
+    assert "#### train\n" in card and f"* Size: {examples} training samples" in card
+    assert "* Columns: anchor, positive, and negative_1" in card  # the negative field's role, numbered
+    assert "<code>gradcache.contrastive_loss</code>" in card and '"false_negative_margin": 0.1' in card
+    assert '"in_batch_negatives": "on"' in card and '"scale": ' in card
+    for fact in ("effective_batch_size`: 8", "chunk_size`: 3", "total_steps`: 4", "lr`: 0.001"):
+        assert f"- `{fact}\n" in card, fact
+    assert "`mixed_precision`: no" in card and "`processes`: 1" in card  # the launch's
+    assert "`command`: train.py --model" in card and "--false_negative_margin 0.1" in card
+    logs = card.split("### Training Logs\n")[1].split("\n\n")[0].splitlines()
+    header = [cell.strip() for cell in logs[0].strip("|").split("|")]
+    rows = [
+        dict(zip(header, (cell.strip() for cell in row.strip("|").split("|")), strict=True))
+        for row in logs[2:]
+    ]
+    ndcg = next(name for name in header if name.endswith("_ndcg@10"))
+    logged = dict(logged_scalars(tmp_path / "run")[f"eval/{ndcg}"])  # TensorBoard's, before and after
+    assert [(int(row["Step"]), float(row[ndcg])) for row in rows] == [
+        (s, round(v, 4)) for s, v in logged.items()
+    ]
+    assert list(logged) == [0, 4]
+    for package, name in (("sentence-transformers", "Sentence Transformers"), ("torch", "PyTorch")):
+        assert f"- {name}: {importlib.metadata.version(package)}" in card
+
+
+@pytest.mark.parametrize("tokenizer", ["none", "too small"])
+def test_a_model_without_its_tokenizer_is_refused_naming_the_folder(tokenizer, tmp_path, monkeypatch, data):
+    """A model folder without tokenizer files trained with rc 0 (transformers substitutes a 5-token tokenizer:
+    every word [UNK]), as did one whose tokenizer is far smaller than its embeddings: one line naming the
+    folder and what to add, before anything is trained."""
+    from safetensors.torch import load_file
+    from test_train import build_tiny_model
+    from transformers import BertTokenizerFast
+
+    model = build_tiny_model(tmp_path, dropout=0.0)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        (model / name).unlink(missing_ok=True)
+    if tokenizer == "too small":
+        (tmp_path / "small.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nword\n")
+        BertTokenizerFast(str(tmp_path / "small.txt")).save_pretrained(model)
+    flags = ("--model", model, "--data", data[0], *RUN, "--output_dir", tmp_path / "run")
+    with pytest.raises(SystemExit) as stopped:
+        run_main(monkeypatch, *flags)
+    saved = load_file(str(model / "model.safetensors"))
+    rows = next(len(value) for name, value in saved.items() if name.endswith("word_embeddings.weight"))
+    assert (
+        f"--model {model}: its tokenizer has {5 if tokenizer == 'none' else 6} tokens for the model's {rows}"
+        in (stopped.value.code)
+    )
+    assert f"tokenizer files in {model}" in stopped.value.code and "tokenizer.json" in stopped.value.code
+    assert "\n" not in stopped.value.code and not (tmp_path / "run" / "final").exists()
