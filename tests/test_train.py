@@ -838,7 +838,8 @@ def test_max_grad_norm_and_max_bad_steps_are_validated(capsys):
 @pytest.mark.parametrize(
     "line, fragments",
     [
-        ('{"anchor": "a", "positive": "b", "negative": "c"', ["line 2 is not valid JSON"]),
+        # truncated: the error is one past its 48 characters (column 49), not at the next line's column 1
+        ('{"anchor": "a", "positive": "b", "negative": "c"', ["line 2 is not valid JSON (column 49: "]),
         ('{"anchor": "a", "answer": "b", "negative": "c"}', ["line 2", "no field 'positive'", "--columns"]),
         (
             '{"anchor": "a", "positive": "  ", "negative": "c"}',
