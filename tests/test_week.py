@@ -410,3 +410,29 @@ def test_a_model_without_its_tokenizer_is_refused_naming_the_folder(tokenizer, t
     )
     assert f"tokenizer files in {model}" in stopped.value.code and "tokenizer.json" in stopped.value.code
     assert "\n" not in stopped.value.code and not (tmp_path / "run" / "final").exists()
+
+
+def test_a_requeue_of_a_finished_run_says_it_is_complete(
+    tmp_path, monkeypatch, capsys, data, model_without_dropout
+):
+    """A finished run requeued with latest re-saved final/ as if it had trained: it says it is complete at its
+    step and exits 0, final/ untouched."""
+    flags = (
+        "--model",
+        model_without_dropout,
+        "--data",
+        data[0],
+        *RUN,
+        "--save_steps",
+        2,
+        "--output_dir",
+        tmp_path,
+    )
+    run_main(monkeypatch, *flags)
+    saved = (tmp_path / "final" / "model.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        run_main(monkeypatch, *flags, "--resume_from_checkpoint", "latest")
+    assert stopped.value.code == 0
+    assert f"{tmp_path} is complete at step 4: its model is in final/." in capsys.readouterr().out
+    assert (tmp_path / "final" / "model.safetensors").stat().st_mtime_ns == saved

@@ -340,6 +340,10 @@ def resume_training(accelerator, resume, args, scheduler, total_steps):
     if resume is None:
         return Progress()
     checkpoint, state = resume
+    if total_steps == state["global_step"] and (Path(args.output_dir) / "final").is_dir():
+        accelerator.print(f"{args.output_dir} is complete at step {total_steps}: its model is in final/.")
+        accelerator.end_training()
+        sys.exit(0)  # a requeue of a finished run: nothing to redo, and final/ stays as it was saved
     if total_steps < state["global_step"]:
         fail(
             f"{checkpoint} is at step {state['global_step']}, past this launch's {total_steps} steps "
