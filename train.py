@@ -531,6 +531,7 @@ parser = make_parser()
 def make_accelerator(args):
     """The Accelerator of this launch, once the launch is checked: stopped where accelerate would not run it
     as meant. What DeepSpeed needs is all here."""
+    logs.check_wandb_installed(args.wandb_mode)
     # DeepSpeed clips by its JSON, where "auto" becomes this variable (accelerate's DeepSpeedPlugin), which
     # `accelerate launch --gradient_clipping` or another job's shell may set: it must say --max_grad_norm.
     clipping = os.environ.get("ACCELERATE_GRADIENT_CLIPPING", "auto")

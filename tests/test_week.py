@@ -436,3 +436,21 @@ def test_a_requeue_of_a_finished_run_says_it_is_complete(
     assert stopped.value.code == 0
     assert f"{tmp_path} is complete at step 4: its model is in final/." in capsys.readouterr().out
     assert (tmp_path / "final" / "model.safetensors").stat().st_mtime_ns == saved
+
+
+def test_a_missing_wandb_is_named_before_the_run_folder_is_written(
+    tmp_path, monkeypatch, data, model_without_dropout
+):
+    """Without wandb installed (accelerate finds no package), the default --wandb_mode offline ended in a
+    traceback after the run's folder was written: one line saying what to do, and no folder."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a)
+    )
+    flags = ("--model", model_without_dropout, "--data", data[0], *RUN, "--output_dir", tmp_path / "run")
+    with pytest.raises(SystemExit) as stopped:
+        run_main(monkeypatch, *flags, "--wandb_mode", "offline")
+    assert "pip install wandb or --wandb_mode disabled" in stopped.value.code
+    assert not (tmp_path / "run").exists()
