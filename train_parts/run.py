@@ -5,6 +5,7 @@ Flags served: --run_name, --output_dir, --overwrite, --resume_from_checkpoint, -
 --save_total_limit, --save_on_each_node. A run is identified by its flags: this module takes them whole.
 """
 
+import atexit
 import dataclasses
 import glob
 import json
@@ -167,7 +168,15 @@ def lock_run_folder(folder):
     lock.truncate(0)
     lock.write(f"process {os.getpid()} on {os.uname().nodename}\n")
     lock.flush()
+    if not [path for path in folder.iterdir() if path.name != ".lock"]:  # claimed empty
+        atexit.register(remove_if_only_lock, folder)
     return lock
+
+
+def remove_if_only_lock(folder):
+    """At exit: the folder of a run refused at start-up (it holds nothing but the lock) is not left behind."""
+    if [path.name for path in folder.iterdir()] == [".lock"]:
+        shutil.rmtree(folder)
 
 
 # A checkpoint written with other values of these would resume at another data position (the last orders the
@@ -300,15 +309,10 @@ def save_now(accelerator, model, streak, progress, derived, args, wandb_run_id):
 def stop_preempted(accelerator, args, signals, streak):
     """Exit 0 after the checkpoint: a launcher (accelerate's, torchrun) reports any other code as a crash.
     Inside a streak of non-finite steps none was saved: the last one before it is named, or none."""
-    why = ", ".join(sorted(signals)) or "a signal to another process"
-    checkpoint = streak.last_checkpoint
-    where = (
-        f"saved {checkpoint}"
-        if not streak.in_a_row
-        else f"none saved inside non-finite steps, the last: {checkpoint}"
-    )
+    why, checkpoint = ", ".join(sorted(signals)) or "a signal to another process", streak.last_checkpoint
+    where = "none saved inside non-finite steps, the last: " if streak.in_a_row else "saved "
     accelerator.print(
-        f"stopped by {why}: {where}. Continue with the same launcher and {resume_command(args)}"
+        f"stopped by {why}: {where}{checkpoint}. Continue with the same launcher and {resume_command(args)}"
     )
     accelerator.end_training()
     sys.exit(0)
