@@ -30,6 +30,7 @@ def describe_training(model, config, sources, evaluations, default):
     (a number derived from the flags has none, and shows with the flags set)."""
     card = model.model_card_data
     card.local_files_only = True  # no network at run time: the hub is not asked about the base model
+    card.generate_widget_examples = False  # no forward on the main process alone (under ZeRO-3: a hang)
     card.add_tags(["generated_from_trainer", "gradcache"])  # a card of its own, not the loaded one
     base = config["model"]
     card.base_model = base if is_hub_name(base) and not base.startswith(("/", ".")) else None
