@@ -60,7 +60,8 @@ from sentence_transformers.sentence_transformer.modules import Pooling
 from tqdm.auto import tqdm
 
 import gradcache
-from train_parts import logs, models, pairs, run, sparse
+from train_parts import final, logs, models, pairs, run, sparse
+from train_parts.launch import launch_facts
 
 # DeepSpeed 0.19's ZeRO-3 calls torch.distributed's all_gather_into_tensor and reduce_scatter_tensor, which
 # torch 2.13 deprecates: a FutureWarning at nearly every call (100 in an 8-step run), about DeepSpeed's code,
@@ -299,7 +300,7 @@ def main(args):
             if last:
                 break
             preemption.mark(progress)
-    finish(accelerator, model, args, sources, prompts, first_eval, last_eval)
+    finish(accelerator, model, args, sources, prompts, first_eval, last_eval, train_sets, derived)
 
 
 def mask_flags(args):
@@ -534,6 +535,7 @@ parser = make_parser()
 def make_accelerator(args):
     """The Accelerator of this launch, once the launch is checked: stopped where accelerate would not run it
     as meant. What DeepSpeed needs is all here."""
+    logs.check_wandb_installed(args.wandb_mode)
     # DeepSpeed clips by its JSON, where "auto" becomes this variable (accelerate's DeepSpeedPlugin), which
     # `accelerate launch --gradient_clipping` or another job's shell may set: it must say --max_grad_norm.
     clipping = os.environ.get("ACCELERATE_GRADIENT_CLIPPING", "auto")
@@ -1118,9 +1120,10 @@ def loss_scale(accelerator, engine):
 
 
 # ---- The end of the run: final/ saved
-def finish(accelerator, model, args, sources, prompts, first_eval, last_eval):
-    """final/ saved with the prompts of training; the dev metrics before and after, printed."""
-    final = Path(args.output_dir) / "final"
+def finish(accelerator, model, args, sources, prompts, first_eval, last_eval, train_sets, derived):
+    """final/ saved with the prompts of training and a card of this fine-tune; the dev metrics before and
+    after, printed."""
+    final_dir = Path(args.output_dir) / "final"
     # encode_query and encode_document of the saved model prepend what training did ("" for none): the first
     # source's prompts. Sources with other prompts save theirs by name too, "<source>_query" and
     # "<source>_document", for encode(texts, prompt_name=...).
@@ -1129,8 +1132,15 @@ def finish(accelerator, model, args, sources, prompts, first_eval, last_eval):
         for source, source_prompts in zip(sources, prompts, strict=True):
             saved |= {f"{run.data_name(source.data)}_{role}": p or "" for role, p in source_prompts.items()}
     model.prompts = model.prompts | saved
-    models.save_final_model(accelerator, model, final, args.merge_lora)
-    accelerator.print(f"saved {final}: load it with {type(model).__name__}(path)")
+    config = vars(args) | resolved_settings(args, model, prompts) | derived | launch_facts(accelerator)
+    described = [  # each source: its name, size, text columns and loss settings
+        (run.data_name(s.data), len(d), pairs.text_columns(d.column_names), s.in_batch_negatives,
+         s.distill_weight) for s, d in zip(sources, train_sets, strict=True)
+    ]  # fmt: skip
+    evaluations = {0: first_eval, derived["total_steps"]: last_eval}
+    final.describe_training(model, config, described, evaluations, parser.get_default)
+    final.save_final_model(accelerator, model, final_dir, args.merge_lora)
+    accelerator.print(f"saved {final_dir}: load it with {type(model).__name__}(path)")
     for name in ("mrr@10", "ndcg@10", "recall@10"):  # scored by the model's similarity: cosine, dot
         name = f"eval/dev_{model.similarity_fn_name}_{name}"
         if first_eval and last_eval:

@@ -187,6 +187,27 @@ def test_a_signal_to_the_launcher_saves_within_its_grace_whatever_the_step_lengt
     assert all(torch.equal(resumed[name], reference[name]) for name in reference)
 
 
+def test_a_signal_to_a_one_process_launcher_saves_and_resumes_bit_for_bit(
+    tmp_path, data, model_with_dropout, uninterrupted, capsys
+):
+    """A scheduler's SIGTERM to a one-process `accelerate launch` (cpu.yaml; single_gpu.yaml takes the same
+    path): its launcher runs train.py as a subprocess and dies of the signal without forwarding it (rc
+    -SIGTERM). train.py sees its launcher gone at its next group of chunks, saves step 3's start as step_2
+    and stops (it used to train on, unseen, to final/); resumed, it reaches the uninterrupted weights."""
+    args = ("--model", model_with_dropout, "--data", data[0], "--max_steps", 6, "--save_steps", 2)
+    faults = {"GRADCACHE_FAULT_SIGNAL_LAUNCHER": "3:1"}  # a second a backward: time for it to die
+    stopped = launch_with_faults(tmp_path, *args, faults=faults, check=False)  # waits for train.py's output
+    checkpoint = tmp_path / "checkpoints" / "step_2"
+    assert stopped.returncode == -15
+    assert f"stopped by the launcher's end: saved {checkpoint}." in stopped.stdout, stopped.stdout[-2000:]
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["step_2"]
+    assert not (tmp_path / "final").exists()
+    run_with_faults(tmp_path, *args, "--resume_from_checkpoint", "latest")
+    assert f"resumed from {checkpoint}:" in capsys.readouterr().out
+    resumed, reference = weights(tmp_path / "final"), weights(uninterrupted / "final")
+    assert all(torch.equal(resumed[name], reference[name]) for name in reference)
+
+
 class Process:
     """One process of a two-machine job, as save_checkpoint sees it: wait_for_everyone is a barrier, and
     save_state writes this process's file (accelerate: the main process the model, each its RNG state)."""

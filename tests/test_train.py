@@ -680,7 +680,7 @@ def test_a_bad_data_file_stops_the_launch_before_training(tmp_path, data, model_
     )
     assert done.returncode != 0
     assert f"{broken}, line 5 is not valid JSON" in done.stderr
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run").exists()  # claimed, then refused: not left behind holding only .lock
     # One line, then the launcher's own traceback (accelerate's one-process launcher prints it for any
     # non-zero exit), which names train.py's exit status: 2, a refusal.
     (line,) = [line for line in done.stderr.splitlines() if "train.py: error:" in line]
@@ -838,7 +838,8 @@ def test_max_grad_norm_and_max_bad_steps_are_validated(capsys):
 @pytest.mark.parametrize(
     "line, fragments",
     [
-        ('{"anchor": "a", "positive": "b", "negative": "c"', ["line 2 is not valid JSON"]),
+        # truncated: the error is one past its 48 characters (column 49), not at the next line's column 1
+        ('{"anchor": "a", "positive": "b", "negative": "c"', ["line 2 is not valid JSON (column 49: "]),
         ('{"anchor": "a", "answer": "b", "negative": "c"}', ["line 2", "no field 'positive'", "--columns"]),
         (
             '{"anchor": "a", "positive": "  ", "negative": "c"}',

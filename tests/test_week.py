@@ -5,6 +5,7 @@ Runs are train.main in this process (test_train.run_main, suite time) from a wor
 where default-named runs go to runs/; what needs a launcher is launched.
 """
 
+import json
 import secrets
 import shlex
 import subprocess
@@ -75,7 +76,10 @@ def test_a_requeue_of_the_same_command_continues_the_newest_run_of_its_flags(
     flags = ("--model", model_without_dropout, "--data", data[0], *RUN, "--save_steps", 1)
     with pytest.raises(SystemExit) as exited:
         run_main(monkeypatch, *flags, "--resume_from_checkpoint", "latest")
-    assert "no run of these flags under runs has a complete checkpoint" in str(exited.value.code)
+    assert (
+        "no run of these flags and this launch (precision, backend, processes) under runs has a complete"
+        in (str(exited.value.code))
+    )
     assert not in_a_folder.exists() or not any(in_a_folder.iterdir())  # nothing created
 
     run_main(monkeypatch, *flags, "--lr", 3e-3)  # a sweep sibling, finished
@@ -293,3 +297,160 @@ def test_a_run_says_its_graph_budget_and_logs_the_groups_kept(
     kept, chunks = int(said.split(" ")[0]), int(said.split("of its ")[1].split(" ")[0])
     assert kept == chunks > 1 and "; 0 of its" in said  # every chunk its own group: none encoded twice
     assert [value for _, value in logged_scalars(tmp_path / "all")["train/kept_groups"]] == [kept, kept]
+
+
+def test_a_requeue_continues_only_a_run_of_the_same_launch(
+    in_a_folder, monkeypatch, capsys, data, model_without_dropout
+):
+    """An fp32 job and its bf16 sibling (`accelerate launch --mixed_precision bf16` sets
+    ACCELERATE_MIXED_PRECISION), of the same flags, both preempted at step 3, the bf16 one later: the fp32
+    requeue with latest continues the fp32 run (it continued the bf16 sibling's, the newer, leaving the
+    fp32 run at step 2), the bf16 requeue its own; an explicit resume of the bf16 run under fp32 stops in
+    one line naming the difference."""
+    flags = ("--model", model_without_dropout, "--data", data[0], *RUN, "--save_steps", 1)
+    folders = {}
+    for precision in ("no", "bf16"):
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", precision)
+        with pytest.raises(SystemExit):
+            run_with_faults(None, *flags, faults={"GRADCACHE_FAULT_SIGNAL": "SIGINT:3"})
+        command = shlex.split(capsys.readouterr().out.split("Continue with the same launcher and ")[1])
+        folders[precision] = command[command.index("--output_dir") + 1]
+        time.sleep(1.1)  # the next launch: another default name
+    for precision in ("no", "bf16"):
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", precision)
+        run_main(monkeypatch, *flags, "--resume_from_checkpoint", "latest")
+        assert f"continuing {folders[precision]}," in capsys.readouterr().out
+        run_dir = in_a_folder.parent / folders[precision]
+        assert (run_dir / "final").is_dir()
+        state = json.loads((run_dir / "checkpoints" / "step_4" / "trainer_state.json").read_text())
+        assert state["launch"]["mixed_precision"] == precision
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    with pytest.raises(SystemExit) as stopped:
+        run_main(monkeypatch, *flags, "--output_dir", folders["bf16"], "--resume_from_checkpoint", "latest")
+    assert "mixed_precision bf16 (this launch: no): it trained under another launch" in stopped.value.code
+    assert "\n" not in stopped.value.code
+    assert len(list(in_a_folder.iterdir())) == 2
+
+
+@pytest.mark.parametrize("kind", ["mean", "splade"])
+def test_final_holds_a_card_of_this_fine_tune(kind, tmp_path, monkeypatch, data):
+    """final/README.md was the base model's own card (all-MiniLM-L6-v2's 21 training sets): it now describes
+    the fine-tune, dense and sparse alike, through sentence-transformers' card machinery: the base model, the
+    data source with its size and columns, the loss and its settings, the batch and its chunks, the steps,
+    the learning rate, the dev metrics before and after, the command and the library versions."""
+    import importlib.metadata
+
+    from test_train import build_tiny_model
+
+    model = build_tiny_model(tmp_path, dropout=0.0, kind=kind)
+    (model / "README.md").write_text("# The base model\n\nTrained on 21 data sets of its own.\n")
+    flags = (
+        "--model",
+        model,
+        "--data",
+        data[0],
+        "--dev_data",
+        data[1],
+        *RUN,
+        "--output_dir",
+        tmp_path / "run",
+    )
+    run_main(monkeypatch, *flags, "--false_negative_margin", 0.1)
+    card = (tmp_path / "run" / "final" / "README.md").read_text()
+    assert "21 data sets" not in card and "# The base model" not in card
+    examples = len(Path(data[0]).read_text().splitlines())
+    assert "# model fine-tuned with Gradient Cache" in card and f"`model`: {model}" in card
+    assert "#### train\n" in card and f"* Size: {examples} training samples" in card
+    assert "* Columns: anchor, positive, and negative_1" in card  # the negative field's role, numbered
+    assert "<code>gradcache.contrastive_loss</code>" in card and '"false_negative_margin": 0.1' in card
+    assert '"in_batch_negatives": "on"' in card and '"scale": ' in card
+    for fact in ("effective_batch_size`: 8", "chunk_size`: 3", "total_steps`: 4", "lr`: 0.001"):
+        assert f"- `{fact}\n" in card, fact
+    assert "`mixed_precision`: no" in card and "`processes`: 1" in card  # the launch's
+    assert "`command`: train.py --model" in card and "--false_negative_margin 0.1" in card
+    logs = card.split("### Training Logs\n")[1].split("\n\n")[0].splitlines()
+    header = [cell.strip() for cell in logs[0].strip("|").split("|")]
+    rows = [
+        dict(zip(header, (cell.strip() for cell in row.strip("|").split("|")), strict=True))
+        for row in logs[2:]
+    ]
+    ndcg = next(name for name in header if name.endswith("_ndcg@10"))
+    logged = dict(logged_scalars(tmp_path / "run")[f"eval/{ndcg}"])  # TensorBoard's, before and after
+    assert [(int(row["Step"]), float(row[ndcg])) for row in rows] == [
+        (s, round(v, 4)) for s, v in logged.items()
+    ]
+    assert list(logged) == [0, 4]
+    for package, name in (("sentence-transformers", "Sentence Transformers"), ("torch", "PyTorch")):
+        assert f"- {name}: {importlib.metadata.version(package)}" in card
+
+
+@pytest.mark.parametrize("tokenizer", ["none", "too small"])
+def test_a_model_without_its_tokenizer_is_refused_naming_the_folder(tokenizer, tmp_path, monkeypatch, data):
+    """A model folder without tokenizer files trained with rc 0 (transformers substitutes a 5-token tokenizer:
+    every word [UNK]), as did one whose tokenizer is far smaller than its embeddings: one line naming the
+    folder and what to add, before anything is trained."""
+    from safetensors.torch import load_file
+    from test_train import build_tiny_model
+    from transformers import BertTokenizerFast
+
+    model = build_tiny_model(tmp_path, dropout=0.0)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        (model / name).unlink(missing_ok=True)
+    if tokenizer == "too small":
+        (tmp_path / "small.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nword\n")
+        BertTokenizerFast(str(tmp_path / "small.txt")).save_pretrained(model)
+    flags = ("--model", model, "--data", data[0], *RUN, "--output_dir", tmp_path / "run")
+    with pytest.raises(SystemExit) as stopped:
+        run_main(monkeypatch, *flags)
+    saved = load_file(str(model / "model.safetensors"))
+    rows = next(len(value) for name, value in saved.items() if name.endswith("word_embeddings.weight"))
+    assert (
+        f"--model {model}: its tokenizer has {5 if tokenizer == 'none' else 6} tokens for the model's {rows}"
+        in (stopped.value.code)
+    )
+    assert f"tokenizer files in {model}" in stopped.value.code and "tokenizer.json" in stopped.value.code
+    assert "\n" not in stopped.value.code and not (tmp_path / "run" / "final").exists()
+
+
+def test_a_requeue_of_a_finished_run_says_it_is_complete(
+    tmp_path, monkeypatch, capsys, data, model_without_dropout
+):
+    """A finished run requeued with latest re-saved final/ as if it had trained: it says it is complete at its
+    step and exits 0, final/ untouched."""
+    flags = (
+        "--model",
+        model_without_dropout,
+        "--data",
+        data[0],
+        *RUN,
+        "--save_steps",
+        2,
+        "--output_dir",
+        tmp_path,
+    )
+    run_main(monkeypatch, *flags)
+    saved = (tmp_path / "final" / "model.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        run_main(monkeypatch, *flags, "--resume_from_checkpoint", "latest")
+    assert stopped.value.code == 0
+    assert f"{tmp_path} is complete at step 4: its model is in final/." in capsys.readouterr().out
+    assert (tmp_path / "final" / "model.safetensors").stat().st_mtime_ns == saved
+
+
+def test_a_missing_wandb_is_named_before_the_run_folder_is_written(
+    tmp_path, monkeypatch, data, model_without_dropout
+):
+    """Without wandb installed (accelerate finds no package), the default --wandb_mode offline ended in a
+    traceback after the run's folder was written: one line saying what to do, and no folder."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a)
+    )
+    flags = ("--model", model_without_dropout, "--data", data[0], *RUN, "--output_dir", tmp_path / "run")
+    with pytest.raises(SystemExit) as stopped:
+        run_main(monkeypatch, *flags, "--wandb_mode", "offline")
+    assert "pip install wandb or --wandb_mode disabled" in stopped.value.code
+    assert not (tmp_path / "run").exists()

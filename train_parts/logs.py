@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import torch
 import yaml
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, is_wandb_available
 from sentence_transformers.sparse_encoder.evaluation import SparseInformationRetrievalEvaluator
 
 from .common import fail, unreachable
@@ -24,8 +24,8 @@ from .models import gathered_parameters
 
 # fmt: off
 __all__ = [
-    "TrackingFlags", "start_tracking", "wandb_mode", "LogWindow", "log_training", "progress_line",
-    "warn_if_masking_much", "evaluate", "split_between_processes",
+    "TrackingFlags", "check_wandb_installed", "start_tracking", "wandb_mode", "LogWindow", "log_training",
+    "progress_line", "warn_if_masking_much", "evaluate", "split_between_processes",
 ]
 # fmt: on
 
@@ -38,6 +38,13 @@ class TrackingFlags:
     wandb_project: str
     run_name: str
     output_dir: str
+
+
+def check_wandb_installed(mode):
+    """Stop, before the run's folder is claimed, where --wandb_mode asks for wandb and it is not installed:
+    accelerate leaves the tracker out silently, and the run ended in a traceback, its folder written."""
+    if mode != "disabled" and not is_wandb_available():
+        fail(f"--wandb_mode {mode} needs wandb, not installed: pip install wandb or --wandb_mode disabled.")
 
 
 def start_tracking(accelerator, flags, config, resumed_state):

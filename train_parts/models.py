@@ -1,8 +1,8 @@
 """The model: located, loaded as the sentence-transformers class it was saved as, prepared for training
-(pooling, sequence length, similarity, LoRA, gradient checkpointing, towers, prompts), saved at the end.
+(pooling, sequence length, similarity, LoRA, gradient checkpointing, towers, prompts); its tokenizer checked.
 
 Flags served: --model, --pooling, --max_seq_length, --similarity, --matryoshka_dims (its width check),
---lora_*, --merge_lora, --gradient_checkpointing, --trust_remote_code, --model_dtype, --attn_implementation,
+--lora_*, --gradient_checkpointing, --trust_remote_code, --model_dtype, --attn_implementation,
 --query_prompt, --document_prompt, --guide_model.
 """
 
@@ -27,7 +27,7 @@ from .common import fail, hub_out_of_reach, is_hub_name
 __all__ = [
     "ModelFlags", "locate_model", "load_model", "model_options", "prepare_model", "transformers_models",
     "load_guide", "role_prompts", "tokenize", "role_task", "training_module", "Towers", "is_router",
-    "save_final_model", "gathered_parameters",
+    "gathered_parameters", "check_tokenizers",
 ]
 # fmt: on
 
@@ -97,11 +97,26 @@ def load_model(name, device, pooling=None, say=print, flag="--model", **options)
         fail(f"{flag} {name} could not be loaded ({err}).")
     except (ValueError, ImportError) as err:  # transformers': custom code check_loadable missed, a kernel
         fail(f"{flag} {name} could not be loaded: {str(err).splitlines()[0]}")
+    check_tokenizers(model, f"{flag} {name}")
     if pooling:  # in place of sentence-transformers' guess: mean, or lasttoken for a causal language model
         index = next(i for i, module in enumerate(model) if isinstance(module, Pooling))
         model[index] = Pooling(model[index].embedding_dimension, pooling)
         say(f"train.py: --model {name}: {pooling} pooling (--pooling), saved in final/")
     return model
+
+
+def check_tokenizers(model, named):
+    """Stop where a tokenizer is far smaller than the embeddings it feeds: transformers loads a folder without
+    tokenizer files with a 5-token stand-in, and every word would train as [UNK]."""
+    for module in model.modules():
+        if getattr(module, "tokenizer", None) is not None and hasattr(module, "auto_model"):
+            tokens, rows = len(module.tokenizer), module.auto_model.get_input_embeddings().num_embeddings
+            if tokens < rows / 2:
+                fail(
+                    f"{named}: its tokenizer has {tokens} tokens for the model's {rows} embedding rows (no "
+                    f"tokenizer files in {module.auto_model.name_or_path}?). Add the base model's tokenizer "
+                    "files there (tokenizer.json and tokenizer_config.json: tokenizer.save_pretrained)."
+                )
 
 
 def model_options(flags):
@@ -295,40 +310,6 @@ class Towers(torch.nn.Module):
 
 def is_router(model):
     return any(isinstance(module, Router) for module in model.modules())
-
-
-def save_final_model(accelerator, model, path, merge_lora=False):
-    """Save in sentence-transformers format. Under ZeRO-3 every process gathers the partitioned parameters
-    and the main process saves them whole.
-
-    transformers' save_pretrained writes back the checkpoint names each weight renaming it applied at load.
-    Its ZeRO-3 loader keeps every renaming it knows, used or not, so LayerNorm weights would be saved as the
-    legacy gamma/beta; keep those that matched, as its ordinary loader does: the same names from all backends.
-    """
-    for module in model.modules():
-        if renamings := getattr(module, "_weight_conversions", None):
-            module._weight_conversions = [renaming for renaming in renamings if renaming.was_used()]
-    with gathered_parameters(model):
-        if accelerator.is_main_process:
-            if merge_lora:
-                merge_lora_adapters(model)
-            model.save(str(path))
-    accelerator.wait_for_everyone()
-
-
-def merge_lora_adapters(model):
-    """Fold every LoRA adapter into the weights it adapts (peft's merge, then the base layer back in place):
-    the model saves as a plain one, which loads without peft. Training ends here: the adapter is gone."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    for transformer in transformers_models(model):
-        for name, layer in list(transformer.named_modules()):
-            if isinstance(layer, BaseTunerLayer):
-                layer.merge()
-                parent, _, attribute = name.rpartition(".")
-                setattr(transformer.get_submodule(parent), attribute, layer.get_base_layer())
-        transformer._hf_peft_config_loaded = False  # else save_pretrained writes the adapter alone
-        del transformer.peft_config
 
 
 def gathered_parameters(model):

@@ -403,7 +403,7 @@ def json_lines(path):
     with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as lines:
         for number, raw in enumerate(lines, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8").rstrip("\r\n")  # a truncated line: its error at its end
                 record = json_record(json.loads(line)) if line.strip() else None  # a blank line: none
             except UnicodeDecodeError as err:
                 record = f"is not valid UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1})"

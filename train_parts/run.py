@@ -5,6 +5,7 @@ Flags served: --run_name, --output_dir, --overwrite, --resume_from_checkpoint, -
 --save_total_limit, --save_on_each_node. A run is identified by its flags: this module takes them whole.
 """
 
+import atexit
 import dataclasses
 import glob
 import json
@@ -24,6 +25,7 @@ import torch
 from accelerate.utils import broadcast_object_list
 
 from .common import fail
+from .launch import launch_differences, launch_facts
 
 # fmt: off
 __all__ = [
@@ -63,7 +65,7 @@ def claim_output_dir(args, accelerator):
     if accelerator.is_main_process:
         try:
             if args.named_by_default and args.resume_from_checkpoint == "latest":
-                agreed[:2] = newest_run_like(args)
+                agreed[:2] = newest_run_like(args, launch_facts(accelerator))
             elif args.named_by_default:
                 agreed[:2] = new_run_folder(args)
             lock = lock_run_folder(Path(agreed[1]))
@@ -113,27 +115,32 @@ def new_run_folder(args):
 NOT_THE_RUN = ("run_name", "output_dir", "resume_from_checkpoint", "overwrite", "named_by_default", "command")
 
 
-def newest_run_like(args):
+def newest_run_like(args, facts):
     """(run name, folder) of the newest default-named run, beside this launch's default folder, whose newest
-    checkpoint this launch continues: the same model and data, and every other flag the same (a sweep's
-    runs differ in one). None such stops the launch naming what there is."""
+    checkpoint this launch continues: the same model and data, every other flag the same (a sweep's runs
+    differ in one), and the same launch (`launch_facts`). None such stops the launch naming what there is."""
     runs, prefix = Path(args.output_dir).parent, args.run_name.rsplit("-", 3)[0]
     flags = json.loads(json.dumps({k: v for k, v in vars(args).items() if k not in NOT_THE_RUN}))
     same, other = [], []
     for folder in runs.glob(f"{glob.escape(prefix)}-*") if runs.is_dir() else ():
         if checkpoint := latest_checkpoint(folder / "checkpoints"):
-            saved = json.loads((checkpoint / "trainer_state.json").read_text())["args"]
-            differ = [f"--{k} {saved.get(k)}" for k, v in flags.items() if saved.get(k, v) != v]
+            state = json.loads((checkpoint / "trainer_state.json").read_text())
+            differ = [
+                f"--{k} {state['args'].get(k)}" for k, v in flags.items() if state["args"].get(k, v) != v
+            ]
+            differ += launch_differences(state, facts)
             (other if differ else same).append((checkpoint, differ))
     if same:
         checkpoint = max(same, key=lambda found: (found[0] / "trainer_state.json").stat().st_mtime)[0]
         print(
-            f"train.py: --resume_from_checkpoint latest: continuing {checkpoint.parents[1]}, of these flags"
+            f"train.py: --resume_from_checkpoint latest: continuing {checkpoint.parents[1]}, of these flags "
+            "and this launch"
         )
         return checkpoint.parents[1].name, str(checkpoint.parents[1])
     others = "; ".join(f"{c.parents[1]} ({', '.join(d[:3])})" for c, d in other[:3])
     raise RunFolderError(
-        f"--resume_from_checkpoint latest without --output_dir: no run of these flags under {runs} has a "
+        f"--resume_from_checkpoint latest without --output_dir: no run of these flags and this launch "
+        f"(precision, backend, processes) under {runs} has a "
         f"complete checkpoint{f' (others: {others})' if others else ''}. Pass the --output_dir of the run to "
         "continue, or drop --resume_from_checkpoint to start a new one."
     )
@@ -161,20 +168,22 @@ def lock_run_folder(folder):
     lock.truncate(0)
     lock.write(f"process {os.getpid()} on {os.uname().nodename}\n")
     lock.flush()
+    if not [path for path in folder.iterdir() if path.name != ".lock"]:  # claimed empty
+        atexit.register(remove_if_only_lock, folder)
     return lock
+
+
+def remove_if_only_lock(folder):
+    """At exit: the folder of a run refused at start-up (it holds nothing but the lock) is not left behind."""
+    if [path.name for path in folder.iterdir()] == [".lock"]:
+        shutil.rmtree(folder)
 
 
 # A checkpoint written with other values of these would resume at another data position (the last orders the
 # batches of all processes together), or, of MODEL_KEYS, with weights that would not load into this model.
 RESUME_KEYS = ("data", "data_weights", "data_sampling", "columns", "max_train_examples", "batch_size")
-
-
 RESUME_KEYS += ("gradient_accumulation_steps", "seed", "cross_process_negatives")
-
-
 MODEL_KEYS = ("model", "pooling", "lora_r", "lora_alpha", "lora_target_modules", "trust_remote_code")
-
-
 MODEL_KEYS += ("model_dtype",)
 
 
@@ -203,15 +212,17 @@ def checkpoint_to_resume(args, accelerator, default):
         return [f"--{k} {v} (this launch: {vars(args)[k]})" for k, v in values.items() if v != vars(args)[k]]
 
     data_order, weights = changed(RESUME_KEYS), changed(MODEL_KEYS)
+    launch = launch_differences(state, launch_facts(accelerator) | {"processes": processes})  # said below
     if processes != accelerator.num_processes:
         data_order.append(f"{processes} processes (this launch: {accelerator.num_processes})")
-    if data_order or weights:
+    if data_order or weights or launch:
         why = [
             ("the data order would not continue", data_order),
             ("its weights are not this model's", weights),
+            ("it trained under another launch (accelerate config or launch flags)", launch),
         ]
         fail(
-            f"{checkpoint} was written with {', '.join(data_order + weights)}: "
+            f"{checkpoint} was written with {', '.join(data_order + weights + launch)}: "
             f"{' and '.join(reason for reason, changes in why if changes)}. Launch with the checkpoint's "
             "values, or start a new --output_dir."
         )
@@ -240,15 +251,19 @@ def batches_from(progress, loader, accelerator, total_steps):
 
 
 class Preemption:
-    """SIGTERM (a cluster's notice before SIGKILL, which a launcher forwards to every worker) and Ctrl-C:
-    the handler only records the signal. The processes agree (`agreed`) at every group of chunks, so the
-    step stops at its next one, and the run saves the state of the step's start (`mark`, `rewind`): the
-    save need not wait for the step, whatever its length, within a launcher's grace (torchrun's
+    """SIGTERM (a cluster's notice before SIGKILL, which torchrun forwards to every worker), Ctrl-C and the
+    launcher's end: the handler only records the signal. The processes agree (`agreed`) at every group of
+    chunks, so the step stops at its next one, and the run saves the state of the step's start (`mark`,
+    `rewind`): the save need not wait for the step, whatever its length, within a launcher's grace (torchrun's
     TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default). A second signal, even during the save, changes
     nothing."""
 
     def __init__(self, accelerator):
         self.received, self.accelerator, self.at = set(), accelerator, None
+        # accelerate's one-process launcher runs train.py as a subprocess and dies of a SIGTERM without
+        # forwarding it: its end is the notice. Only under a launcher (its variables): a parent shell may go.
+        launched = {"ACCELERATE_MIXED_PRECISION", "LOCAL_RANK"} & set(os.environ)
+        self.launcher = os.getppid() if launched else None
         for number in (signal.SIGTERM, signal.SIGINT):
             signal.signal(number, lambda number, frame: self.received.add(signal.Signals(number).name))
         # The flag is all-reduced on the CPU: on a GPU's process group each check would wait for the kernels.
@@ -257,6 +272,8 @@ class Preemption:
 
     def agreed(self):
         """Whether any process received a signal: the same answer on every process, one all-reduce."""
+        if self.launcher is not None and os.getppid() != self.launcher:
+            self.received.add("the launcher's end")
         flag = torch.tensor(float(bool(self.received)))
         if self.group is not None:
             torch.distributed.all_reduce(flag, group=self.group)
@@ -284,7 +301,7 @@ def save_now(accelerator, model, streak, progress, derived, args, wandb_run_id):
     checkpoint = Path(args.output_dir) / "checkpoints" / f"step_{progress.global_step}"
     if streak.in_a_row or streak.last_checkpoint == checkpoint:
         return
-    state = checkpoint_state(progress, derived, args, wandb_run_id)
+    state = checkpoint_state(progress, derived, args, wandb_run_id, launch_facts(accelerator))
     check_weights_finite(accelerator, model, streak, progress)
     streak.checkpointed(save_checkpoint(accelerator, checkpoint.parent, state, args.save_total_limit))
 
@@ -292,15 +309,10 @@ def save_now(accelerator, model, streak, progress, derived, args, wandb_run_id):
 def stop_preempted(accelerator, args, signals, streak):
     """Exit 0 after the checkpoint: a launcher (accelerate's, torchrun) reports any other code as a crash.
     Inside a streak of non-finite steps none was saved: the last one before it is named, or none."""
-    why = ", ".join(sorted(signals)) or "a signal to another process"
-    checkpoint = streak.last_checkpoint
-    where = (
-        f"saved {checkpoint}"
-        if not streak.in_a_row
-        else f"none saved inside non-finite steps, the last: {checkpoint}"
-    )
+    why, checkpoint = ", ".join(sorted(signals)) or "a signal to another process", streak.last_checkpoint
+    where = "none saved inside non-finite steps, the last: " if streak.in_a_row else "saved "
     accelerator.print(
-        f"stopped by {why}: {where}. Continue with the same launcher and {resume_command(args)}"
+        f"stopped by {why}: {where}{checkpoint}. Continue with the same launcher and {resume_command(args)}"
     )
     accelerator.end_training()
     sys.exit(0)
@@ -332,6 +344,10 @@ def resume_training(accelerator, resume, args, scheduler, total_steps):
     if resume is None:
         return Progress()
     checkpoint, state = resume
+    if total_steps == state["global_step"] and (Path(args.output_dir) / "final").is_dir():
+        accelerator.print(f"{args.output_dir} is complete at step {total_steps}: its model is in final/.")
+        accelerator.end_training()
+        sys.exit(0)  # a requeue of a finished run: nothing to redo, and final/ stays as it was saved
     if total_steps < state["global_step"]:
         fail(
             f"{checkpoint} is at step {state['global_step']}, past this launch's {total_steps} steps "
@@ -364,9 +380,10 @@ def set_peak_learning_rate(scheduler, learning_rate):
     scheduler.step()  # recomputes every group's rate from base_lrs, at the same point of the schedule
 
 
-def checkpoint_state(progress, derived, args, wandb_run_id):
+def checkpoint_state(progress, derived, args, wandb_run_id, facts):
     """What a checkpoint's trainer_state.json holds: where the run stands, and what launched it."""
     return dataclasses.asdict(progress) | {
+        "launch": facts,
         "processes": derived["processes"],
         "args": vars(args),
         "wandb_run_id": wandb_run_id,  # a run resumed from this checkpoint continues it
