@@ -75,9 +75,8 @@ warnings.filterwarnings(
 # fmt: off
 __all__ = [
     "parse_args", "parser", "HelpFormatter", "source_settings", "main", "make_accelerator", "load_data",
-    "make_loader", "loss_function", "text_id", "positives_by_anchor", "gradient_cache_step",
+    "make_loader", "loss_function", "text_id", "positives_by_anchor", "gradient_cache_step", "DEFAULT_TRAIN",
     "false_negatives", "guide_representations", "GraphBudget", "optimizer_step", "step_with_back_off",
-    "DEFAULT_TRAIN",
 ]
 # fmt: on
 
@@ -530,8 +529,7 @@ def make_parser():
 parser = make_parser()
 
 
-# ---- Setup, in main's order: the launch checked (accelerate, the sources), then the data, the model,
-# ---- what accelerate wraps, and the numbers and trackers of the run
+# ---- Setup, in main's order: the launch checked, the data, the model, what accelerate wraps, the trackers
 def make_accelerator(args):
     """The Accelerator of this launch, once the launch is checked: stopped where accelerate would not run it
     as meant. What DeepSpeed needs is all here."""
@@ -770,8 +768,7 @@ def start_tracking(args, accelerator, model, prompts, derived, resume):
     return run_id
 
 
-# ---- The step: Gradient Cache on one batch, with the loss as the flags set it and the batch's side data
-# ---- (false-negative masks, the guide's representations, the teacher's scores)
+# ---- The step: Gradient Cache on one batch, its loss, and its side data (masks, guide, teacher's scores)
 def source_steps(args, sources, accelerator, engine, model, prompts, train_sets, stats, preemption, budget,
                  penalty):  # fmt: skip
     """The step of each --data source's batches (gradient_cache_step): its prompts, its loss, its flags, and
