@@ -45,7 +45,7 @@ from pathlib import Path
 from train_parts.common import check_versions, fail, flags_of, print_error
 
 # Before importing them, so that an older version says so instead of failing on a missing name.
-check_versions({"torch": "2.5", "accelerate": "1.0", "sentence-transformers": "6.0"})
+check_versions({"torch": "2.5", "accelerate": "1.0", "sentence-transformers": "6.0", "datasets": "3.0"})
 
 import numpy
 import pandas
@@ -1137,7 +1137,8 @@ def finish(accelerator, model, args, sources, prompts, first_eval, last_eval, tr
     evaluations = {0: first_eval, derived["total_steps"]: last_eval}
     final.describe_training(model, config, described, evaluations, parser.get_default)
     final.save_final_model(accelerator, model, final_dir, args.merge_lora)
-    accelerator.print(f"saved {final_dir}: load it with {type(model).__name__}(path)")
+    trusted = ", trust_remote_code=True" if args.trust_remote_code else ""  # its own code loads only so
+    accelerator.print(f"saved {final_dir}: load it with {type(model).__name__}(path{trusted})")
     for name in ("mrr@10", "ndcg@10", "recall@10"):  # scored by the model's similarity: cosine, dot
         name = f"eval/dev_{model.similarity_fn_name}_{name}"
         if first_eval and last_eval:

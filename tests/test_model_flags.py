@@ -88,7 +88,9 @@ def test_a_model_with_its_own_code_needs_trust_remote_code(tmp_path, data, monke
 
 
 @pytest.mark.parametrize("flags", [[], ["--lora_r", "4"]], ids=["full", "lora"])
-def test_with_trust_remote_code_it_trains_saves_its_code_and_reloads(tmp_path, data, monkeypatch, flags):
+def test_with_trust_remote_code_it_trains_saves_its_code_and_reloads(
+    tmp_path, data, monkeypatch, capsys, flags
+):
     from sentence_transformers import SentenceTransformer
 
     custom = build_custom_code_model(tmp_path)
@@ -96,6 +98,7 @@ def test_with_trust_remote_code_it_trains_saves_its_code_and_reloads(tmp_path, d
     run += ("--batch_size", 8, "--chunk_size", 4, "--max_steps", 2, "--lr", 1e-2, "--save_steps", 1, *flags)
     run_main(monkeypatch, *run, "--trust_remote_code", "--guide_model", custom)  # the guide's code too
     final = tmp_path / "run" / "final"
+    assert "load it with SentenceTransformer(path, trust_remote_code=True)" in capsys.readouterr().out
     base = custom if flags else final  # a LoRA final/ names its base model, which holds the code
     assert (base / "modeling_tiny.py").is_file() and (base / "configuration_tiny.py").is_file()
     with pytest.raises(ValueError, match="trust_remote_code=True"):
