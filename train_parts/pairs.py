@@ -403,11 +403,13 @@ def json_lines(path):
     with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as lines:
         for number, raw in enumerate(lines, 1):
             try:
-                line = raw.decode("utf-8").rstrip("\r\n")  # a truncated line: its error at its end
-                record = json_record(json.loads(line)) if line.strip() else None  # a blank line: none
+                text = raw.decode("utf-8")
+                record = json_record(json.loads(text)) if text.strip() else None  # a blank line: none
             except UnicodeDecodeError as err:
                 record = f"is not valid UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1})"
             except json.JSONDecodeError as err:
+                if err.lineno > 1:  # past the line's end (truncated): at its end, not line 2 column 1
+                    err = json.JSONDecodeError(err.msg, text.rstrip("\r\n"), len(text.rstrip("\r\n")))
                 record = f"is not valid JSON ({json_error(err)})"
             if record is not None:
                 yield f"{path}, line {number}", record

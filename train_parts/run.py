@@ -175,7 +175,7 @@ def lock_run_folder(folder):
 
 def remove_if_only_lock(folder):
     """At exit: the folder of a run refused at start-up (it holds nothing but the lock) is not left behind."""
-    if [path.name for path in folder.iterdir()] == [".lock"]:
+    if folder.is_dir() and [path.name for path in folder.iterdir()] == [".lock"]:
         shutil.rmtree(folder)
 
 
