@@ -52,6 +52,7 @@ print(
     end="",  # one write per line: two ranks printing at once must not glue their lines together
     flush=True,
 )
+accelerator.end_training()  # as train.py ends: the process group destroyed, not left to interpreter exit
 """
 
 FP32 = "precision=no dtype=torch.float32"
@@ -92,6 +93,7 @@ def start(config: str, args: list[str], env: dict[str, str], probe: Path) -> sub
         [*LAUNCH, f"accelerate_configs/{config}", *args, str(probe)],
         cwd=ROOT,
         env={**os.environ, **CPU_ENV, **env},
+        stdin=subprocess.DEVNULL,  # not pytest-xdist's channel to its worker
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -236,5 +238,11 @@ def test_multi_node_as_two_nodes_on_localhost(probe):
         )
         for rank in (0, 1)
     ]
-    output = "".join(node.communicate(timeout=300)[0] for node in nodes)
+    try:
+        output = "".join(node.communicate(timeout=300)[0] for node in nodes)
+    except subprocess.TimeoutExpired:
+        for node in nodes:
+            node.kill()
+        outputs = [node.communicate()[0][-3000:] for node in nodes]
+        pytest.fail(f"a node did not exit within 300 s; node 0:\n{outputs[0]}\nnode 1:\n{outputs[1]}")
     check_ranks(output, f"num_processes=2 type=MULTI_CPU {FP32}", 2)
