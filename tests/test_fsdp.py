@@ -16,12 +16,30 @@ the models, losses, LoRA, checkpointing, budgets and 3 processes.
     .venv/bin/python -m pytest -q tests/test_fsdp.py
 """
 
+import os
+
 import pytest
 import torch
 from backend_worker import METRICS, NUM_STEPS, Case, compare, launch
-from references import Exactness, assert_exact, relative_error
+from fsdp_shim import sitecustomize_line
+from references import Exactness, assert_exact, assert_inexact, relative_error
 from test_backends import replay_every_rank
-from test_train import CONFIGS, fails_with, run_main
+from test_train import (
+    BACKEND_ARGS,
+    CONFIGS,
+    DTYPES,
+    REPO,
+    SGD_CLIP,
+    SGD_LR,
+    SGD_SITECUSTOMIZE,
+    fails_with,
+    full_batch_replay,
+    logged_scalars,
+    max_difference,
+    run_main,
+    updates,
+    weights,
+)
 from test_train import launch as launch_train
 
 FSDP2 = dict(world_size=2, fsdp2=True)
@@ -101,3 +119,49 @@ def test_fsdp2_yaml_on_cpus_without_the_shim_stops_in_one_line(tmp_path, data, m
     last_lines = "\n".join(done.stderr.splitlines()[-3:])  # torchrun's summary: the line is the root cause
     assert "traceback : train.py: error: an FSDP accelerate config" in last_lines
     assert not (tmp_path / "checkpoints").exists()
+
+
+def shim_environment(folder):
+    """A launch of train.py under FSDP2 on CPU processes, with SGD in place of AdamW (tests/test_train.py's
+    exactness runs): a sitecustomize.py (in `folder`) that installs both, and ACCELERATE_USE_CPU."""
+    site = folder / "fsdp_sitecustomize"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(SGD_SITECUSTOMIZE + "\n" + sitecustomize_line())
+    path = os.pathsep.join(filter(None, [str(site), str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
+    return {"PYTHONPATH": path, "ACCELERATE_USE_CPU": "true", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_train_py_under_fsdp2_trains_exactly_saves_whole_and_resumes_bit_for_bit(
+    tmp_path, data, model_without_dropout
+):
+    """accelerate_configs/fsdp2.yaml, 2 processes: train.py's run equals the plain optimization replayed on
+    each process's whole batch (tests/test_train.py's full_batch_replay, SGD, clipped), by references.py's
+    rule: the updates of final/ (gathered whole, loaded by sentence-transformers in one process) and the
+    logged losses and gradient norms; a sharded checkpoint at step 2 (each process its part), from which a
+    second launch resumes to the same final weights bit for bit. It evaluates before and after training."""
+    env = shim_environment(tmp_path)
+    common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS)
+    common += ("--lr", SGD_LR, "--max_grad_norm", SGD_CLIP, "--save_steps", 2)
+    run = tmp_path / "run"
+    done = launch_train(CONFIGS / "fsdp2.yaml", run, *common, processes=2, env=env)
+    assert "DistributedType.FSDP" in done.stdout and "processes: 2" in done.stdout, done.stdout[-3000:]
+    float32, truth = (full_batch_replay(data, model_without_dropout, t, 2, sgd=True) for t in DTYPES)
+    saved = weights(run / "final")
+    run_updates = updates(saved, weights(model_without_dropout))
+    measured = assert_exact(run_updates, float32["updates"], truth["updates"], "fsdp2, updates")
+    scaled = {key: (1 + 1e-3) * update for key, update in run_updates.items()}
+    control = assert_inexact(scaled, float32["updates"], truth["updates"], "fsdp2, updates x (1 + 1e-3)")
+    print(f"fsdp2 x 2: updates {measured}; x (1 + 1e-3): {control.error:.1e}")
+    logged = logged_scalars(run)
+    for tag, key in (("train/loss", "losses"), ("train/grad_norm", "grad_norms")):
+        values = [value for _, value in logged[tag]]
+        print(f"fsdp2 x 2: {tag} {assert_exact(values, float32[key], truth[key], tag)}")
+    assert [step for step, _ in logged["eval/dev_cosine_mrr@10"]] == [0, 3]
+    step_2 = run / "checkpoints" / "step_2"
+    shards = sorted(path.name for path in step_2.rglob("*.distcp"))
+    assert len(shards) >= 2, sorted(path.name for path in step_2.rglob("*"))  # each process wrote its own
+    resumed = tmp_path / "resumed"
+    launch_train(
+        CONFIGS / "fsdp2.yaml", resumed, *common, "--resume_from_checkpoint", step_2, processes=2, env=env
+    )
+    assert max_difference(weights(resumed / "final"), saved) == 0
