@@ -5,8 +5,9 @@ own (--trust_remote_code).
 
 Every row trains NUM_STEPS SGD steps through train.py's own step (`train.gradient_cache_step`, on a model
 prepared by train.py's flags; tests/matrix_worker.py) under its backend and process count, on CPU (gloo,
-DeepSpeed's CPU accelerator), and is compared with a reference that shares none of our code: the model built
-from sentence-transformers and peft directly (`reference_model`), sentence-transformers' own loss
+DeepSpeed's CPU accelerator; FSDP2 through tests/fsdp_shim.py, each transformer layer a unit, as
+train_parts/fsdp.py prepares it), and is compared with a reference that shares none of our code: the
+model built from sentence-transformers and peft directly (`reference_model`), sentence-transformers' own loss
 (MultipleNegativesRankingLoss, its symmetric form, MatryoshkaLoss) on the whole global batch in one process,
 unchunked, dropout off, plain autograd and SGD. Without cross-process negatives the reference is the mean of
 each rank's loss on its own shard (what DDP and DeepSpeed average). Rows with a loss sentence-transformers
@@ -33,8 +34,8 @@ against the reference without the FLOPS terms: the negative controls. `-s` print
 the float32 reference's.
 
 The rows are a pairwise covering: every pair of values of two dimensions appears in some row
-(`test_rows_cover_every_pair`), except pairs that cannot exist: "plain" runs one process, DDP two or more,
-and uneven batch sizes need two processes or more; group-only negatives have no symmetric direction and
+(`test_rows_cover_every_pair`), except pairs that cannot exist: "plain" runs one process, DDP and FSDP2 two or
+more, and uneven batch sizes need two processes or more; group-only negatives have no symmetric direction and
 no cross-process candidates; a sparse encoder takes neither Matryoshka nor group-only negatives (train.py
 refuses them). The first three rows and the seventh are the defects that issue 15
 found in combinations; before its fix they crashed (gloo: "collective mismatch"), hung, trained wrong
