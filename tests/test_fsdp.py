@@ -98,13 +98,22 @@ def test_the_negative_controls_fail(control, runs):
         assert all(run["reduce_scatters_per_step"][0] > run["units"] for run in ranks)
 
 
-def test_an_fsdp1_config_is_refused_in_one_line(tmp_path, monkeypatch, capsys, data, model_without_dropout):
+REFUSALS = {
+    "1": ("fsdp_version: 1", "accelerate_configs/fsdp2.yaml"),
+    "2": ("runs these processes as NO", "Launch it on GPUs"),
+}
+
+
+@pytest.mark.parametrize("version", REFUSALS)
+def test_an_fsdp1_config_and_fsdp_that_accelerate_does_not_run_are_refused_in_one_line(
+    version, tmp_path, monkeypatch, capsys, data, model_without_dropout
+):
+    """What an FSDP config's launch sets (ACCELERATE_USE_FSDP, FSDP_VERSION) in a process where accelerate
+    runs no FSDP (one CPU process): version 1 is refused naming fsdp2.yaml, version 2 naming what runs."""
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    monkeypatch.setenv("FSDP_VERSION", "1")
+    monkeypatch.setenv("FSDP_VERSION", version)
     run = ("--model", model_without_dropout, "--data", data[0], "--output_dir", tmp_path / "run")
-    fails_with(
-        capsys, lambda: run_main(monkeypatch, *run), "fsdp_version: 1", "accelerate_configs/fsdp2.yaml"
-    )
+    fails_with(capsys, lambda: run_main(monkeypatch, *run), *REFUSALS[version])
 
 
 def test_fsdp2_yaml_on_cpus_without_the_shim_stops_in_one_line(tmp_path, data, model_without_dropout):
