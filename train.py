@@ -1212,8 +1212,8 @@ def smaller_chunk(error, chunking, args, accelerator):
         os._exit(2)
     if value == 1:
         fail(f"{error} Even one example per chunk does not fit: lower --max_seq_length, or offload (ZeRO-3).")
-    # ZeRO-2/3 and FSDP's unsharded gradients live in buffers that zero_grad does not clear: a redo could
-    if fsdp.collective_passes(accelerator):  # count twice
+    # ZeRO-2/3's buffers and FSDP's unsharded gradients outlive zero_grad: a redo would count them twice.
+    if fsdp.collective_passes(accelerator):
         fail(
             f"{error} Relaunch with --{name} {value // 2} (--auto_chunk_size cannot redo a step under "
             f"{accelerator.distributed_type.value})."
