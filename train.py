@@ -26,6 +26,7 @@ The parts main calls live in train_parts/, a module per job, each taking the val
     common  the one-line failure, version checks, the hub probe   models  load, prepare, save the model
     pairs   the data: records, batch order, dev set (yours here)  run     folders, checkpoints, resume
     logs    trackers, metrics, progress line, evaluation          sparse  SPLADE's defaults and FLOPS
+    fsdp    FSDP2: the launch checked, layer units, one reduce-scatter per optimizer step
 README.md's feature map says, for each flag, where it acts and the test that guards it.
 """
 
