@@ -26,6 +26,7 @@ The parts main calls live in train_parts/, a module per job, each taking the val
     common  the one-line failure, version checks, the hub probe   models  load, prepare, save the model
     pairs   the data: records, batch order, dev set (yours here)  run     folders, checkpoints, resume
     logs    trackers, metrics, progress line, evaluation          sparse  SPLADE's defaults and FLOPS
+    fsdp    FSDP2: the launch checked, layer units, one reduce-scatter per optimizer step
 README.md's feature map says, for each flag, where it acts and the test that guards it.
 """
 
@@ -60,7 +61,7 @@ from sentence_transformers.sentence_transformer.modules import Pooling
 from tqdm.auto import tqdm
 
 import gradcache
-from train_parts import final, logs, models, pairs, run, sparse
+from train_parts import final, fsdp, logs, models, pairs, run, sparse
 from train_parts.launch import launch_facts
 
 # DeepSpeed 0.19's ZeRO-3 calls torch.distributed's all_gather_into_tensor and reduce_scatter_tensor, which
@@ -570,15 +571,7 @@ def make_accelerator(args):
             "alone and write final/. Without a GPU, launch with ACCELERATE_USE_CPU=true (see the comment in "
             "accelerate_configs/cpu_ddp_2proc.yaml)."
         )
-    # On CPUs accelerate turns an FSDP config into MULTI_CPU, leaving its variable set.
-    if (
-        accelerator.distributed_type == DistributedType.FSDP
-        or os.environ.get("ACCELERATE_USE_FSDP") == "true"
-    ):
-        fail(
-            "an FSDP accelerate config: FSDP is not supported (untested with Gradient Cache's passes). Shard "
-            "with DeepSpeed ZeRO-3 instead: accelerate_configs/deepspeed_zero3.yaml."
-        )
+    fsdp.check_launch(accelerator)  # FSDP2 only, and FSDP where accelerate runs it (not on CPUs)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         check_deepspeed(args)
     return accelerator
@@ -666,7 +659,9 @@ def prepare_training(args, sources, accelerator, model, train_sets, skipped_reco
     adamw = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
     loader = make_loader(train_sets, args, accelerator.num_processes)
     sampler = loader.sampler
-    engine, optimizer, loader = accelerator.prepare(models.training_module(model, sources), adamw, loader)
+    engine, optimizer, loader = fsdp.prepare(
+        accelerator, models.training_module(model, sources), adamw, loader
+    )
     derived = derive_numbers(args, sources, accelerator, loader, sampler, train_sets, skipped_records)
     # Not prepared: accelerate steps a prepared scheduler once per process under DDP and hands it to DeepSpeed
     # otherwise; this one steps once per optimizer step everywhere, writing the AdamW param groups that
@@ -837,9 +832,8 @@ def gradient_cache_step(
             chunk_tokenizer(model, column, prompts, accelerator.device, chunk_tokens) for column in batch
         ],
         backward=accelerator.backward,
-        sync_context=gradcache.accelerate_sync_context(accelerator, engine),
-        # DeepSpeed's passes are collectives themselves: a process that runs out of memory cannot agree.
-        agree_on_out_of_memory=accelerator.distributed_type != DistributedType.DEEPSPEED,
+        sync_context=fsdp.sync_context(accelerator, engine),  # the last chunk of a window synchronizes
+        agree_on_out_of_memory=not fsdp.collective_passes(accelerator),  # DeepSpeed's, FSDP's: none agree
         encode_group=engine if towers else None,
         interrupt=interrupt,
         **({"cross_process_negatives": args.cross_process_negatives} if in_batch else {}),
@@ -1197,8 +1191,8 @@ def step_with_back_off(step, batch, chunking, args, accelerator, optimizer, budg
         except gradcache.StepInterrupted:  # by a signal, on every process at the same group of chunks
             return None, chunking
         except gradcache.ChunkOutOfMemory as error:  # raised by every process together, when agreed
-            deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED  # a redo would count twice
-            if error.agreed and not deepspeed and budget is not None and budget.lower():
+            collective = fsdp.collective_passes(accelerator)  # DeepSpeed, FSDP: a redo would count twice
+            if error.agreed and not collective and budget is not None and budget.lower():
                 accelerator.print("out of memory keeping graphs: redoing the batch, --graph_budget lowered")
             else:
                 chunking = smaller_chunk(error, chunking, args, accelerator)
@@ -1219,11 +1213,11 @@ def smaller_chunk(error, chunking, args, accelerator):
         os._exit(2)
     if value == 1:
         fail(f"{error} Even one example per chunk does not fit: lower --max_seq_length, or offload (ZeRO-3).")
-    # ZeRO-2/3 reduce every backward into buffers that zero_grad does not clear: a redo could count twice.
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+    # ZeRO-2/3's buffers and FSDP's unsharded gradients outlive zero_grad: a redo would count them twice.
+    if fsdp.collective_passes(accelerator):
         fail(
             f"{error} Relaunch with --{name} {value // 2} (--auto_chunk_size cannot redo a step under "
-            "DeepSpeed)."
+            f"{accelerator.distributed_type.value})."
         )
     if not args.auto_chunk_size:
         fail(f"{error} Relaunch with --{name} {value // 2}, or add --auto_chunk_size to halve it on the fly.")

@@ -7,7 +7,8 @@ full-batch fp32 reference (tests/backend_worker.py), one process on the GPU trai
 gradcache_step under:
   - accelerate's native mixed precision: fp32, fp16 with its GradScaler (the loss scale must reach the
     gradients exactly once, through accelerator.backward), bf16 autocast;
-  - DeepSpeed ZeRO-2 and ZeRO-3 with fp16 (DeepSpeed's dynamic loss scaler) and bf16.
+  - DeepSpeed ZeRO-2 and ZeRO-3 with fp16 (DeepSpeed's dynamic loss scaler) and bf16;
+  - FSDP2 on 2 GPUs (NCCL) in fp32, bf16 and fp16, where 2 GPUs are lent (not yet run on one).
 It prints a markdown table (setup, max relative differences, tolerance, pass/fail) and writes it to
 $OUT/gpu_check.md when OUT is set, else to bench/results/gpu_check.md. Exits 1 if a row fails or could not
 run. Two short torchrun launches (their CPU counterparts take about 15 s each): well under 3 minutes.
@@ -66,6 +67,15 @@ DEEPSPEED_CASES = [
     Case("cuda-zero2-bf16", zero_stage=2, mixed_precision="bf16"),
     Case("cuda-zero3-bf16", zero_stage=3, mixed_precision="bf16"),
 ]
+# FSDP2 (accelerate_configs/fsdp2.yaml's plugin) on 2 GPUs, NCCL: fp32, bf16 (the plugin's mixed precision
+# policy) and fp16 (accelerate's FSDP2 grad scaler), towers with cross-process negatives, accumulation.
+FSDP2_ON_2_GPUS = dict(world_size=2, fsdp2=True)
+FSDP2_CASES = [
+    Case("cuda-fsdp2-fp32", **FSDP2_ON_2_GPUS),
+    Case("cuda-fsdp2-bf16-two-towers-cross", **FSDP2_ON_2_GPUS, mixed_precision="bf16", two_towers=True,
+         cross_process_negatives=True),
+    Case("cuda-fsdp2-fp16-accumulate2", **FSDP2_ON_2_GPUS, mixed_precision="fp16", accumulation_steps=2),
+]  # fmt: skip
 
 
 def run_checks(out_dir):
@@ -76,9 +86,13 @@ def run_checks(out_dir):
         notes.append("DeepSpeed rows not run: deepspeed is not installed (`bash setup.sh`).")
     else:
         groups.append(("deepspeed", DEEPSPEED_CASES))
+    if torch.cuda.device_count() >= 2:
+        groups.append(("fsdp2", FSDP2_CASES))
+    else:
+        notes.append("FSDP2 rows not run: they need 2 GPUs.")
     for name, cases in groups:
         try:
-            results = launch(cases, Path(out_dir) / name, world_size=1, timeout=300)
+            results = launch(cases, Path(out_dir) / name, world_size=cases[0].world_size, timeout=300)
         except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
             notes.append(f"{name} launch failed:\n\n```\n{error}\n```")
             continue

@@ -16,6 +16,7 @@ in the environment once a DeepSpeed plugin was given). Each rank writes OUT_DIR/
 import dataclasses
 import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -25,7 +26,9 @@ import torch
 from references import StageOneRecorder, exactness, materialized_contrastive_loss
 from torch import nn
 
+import gradcache
 from gradcache import accelerate_sync_context, contrastive_loss, gradcache_step, select_examples
+from train_parts import fsdp
 
 REPO = Path(__file__).resolve().parent.parent
 PER_PROCESS_BATCH = 6
@@ -69,6 +72,11 @@ class Case:
     matryoshka_dims: tuple = ()  # the loss sums over these renormalized prefixes (of the 8 dimensions)
     uneven: bool = False  # cross-process negatives only: rank 0 holds a row less, the last rank one more
     dropout: float = 0.0  # each rank draws its own masks (its own seed): see `record_stage_one`
+    fsdp2: bool = False  # FSDP2 (fully_shard) through accelerate; on CPU processes by tests/fsdp_shim.py
+    # An FSDP2 negative control: "per-chunk" (every chunk reduce-scatters, its surrogate divided by the groups
+    # of chunks, as accelerate's accumulate() over chunks would), "no-replay" (stage 3 draws new dropout
+    # masks), "drop-rank" (the last rank's gradients never reach the reduce-scatter)
+    control: str = ""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -387,8 +395,16 @@ def accelerator_arguments(case):
         "gradient_accumulation_steps": case.accumulation_steps,
         "kwargs_handlers": handlers,
     }
+    os.environ.pop("ACCELERATE_USE_FSDP", None)  # set by accelerate for an FSDP2 case before
     if case.zero_stage is not None:
         arguments["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=deepspeed_config(case))
+    elif case.fsdp2:  # accelerate_configs/fsdp2.yaml's settings
+        from accelerate import FullyShardedDataParallelPlugin
+        from fsdp_shim import install
+
+        install()  # where accelerate would not run FSDP: on CPU processes
+        arguments["fsdp_plugin"] = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True)
+        arguments["cpu"] = not torch.cuda.is_available()
     elif not torch.cuda.is_available():
         # DDP on the CPU (gloo), also in a launch that runs DeepSpeed cases afterwards, where the
         # environment variable ACCELERATE_USE_CPU would switch DeepSpeed off.
@@ -424,6 +440,11 @@ def run_under_accelerate(case, accelerator):
         models = [engine]
         encoders = [tower_router(engine, tower) for tower in tower_names(case)] if case.two_towers else engine
         first = record_first_gradients_before_step(engine)
+    elif case.fsdp2:  # one module, prepared with its optimizer (fully_shard replaces the parameters)
+        module, optimizer = accelerator.prepare(model, optimizer)
+        models = [module]
+        encoders = [tower_router(module, tower) for tower in tower_names(case)] if case.two_towers else module
+        first = {}
     elif case.two_towers:
         # Under DDP each tower is its own DDP module.
         query, document, optimizer = accelerator.prepare(model.query, model.document, optimizer)
@@ -439,23 +460,28 @@ def run_under_accelerate(case, accelerator):
     allreduce_calls = count_allreduce_calls(models) if ddp else None
     # Without it (the negative control) gradcache_step's default lets every chunk synchronize.
     sync_argument = {}
-    if case.use_sync_context:
+    if case.use_sync_context and case.fsdp2:
+        sync_argument["sync_context"] = fsdp.sync_context(accelerator, models[0])
+    elif case.use_sync_context:
         sync_argument["sync_context"] = accelerate_sync_context(accelerator, *models)
+    backward = fsdp2_control(case, accelerator, sync_argument)
+    reduce_scatters = count_reduce_scatters() if case.fsdp2 else None
 
-    losses, steps_after_micro_batch, allreduces_per_step = [], [], []
+    losses, steps_after_micro_batch, allreduces_per_step, reduce_scatters_per_step = [], [], [], []
     recorder = StageOneRecorder()
     torch.manual_seed(DATA_SEED + accelerator.process_index)  # dropout: every rank its own masks
     for micro_batch, columns in enumerate(make_micro_batches(case)):
         columns = to_device(shard(columns, accelerator.process_index, case), accelerator.device)
         # The first step of a dropout case through the recorder: what stage 1 encoded, from which RNG state.
         step = recorder.step if case.dropout and micro_batch == 0 else gradcache_step
-        with accelerator.accumulate(*models):
+        replay = gradcache.refinements(replay_rng=case.control != "no-replay")
+        with accelerator.accumulate(*models), replay:
             report = step(
                 encoders,
                 columns,
                 loss_function(case),
                 chunk_size=CHUNK_SIZE,
-                backward=accelerator.backward,
+                backward=backward,
                 cross_process_negatives=case.cross_process_negatives,
                 **sync_argument,
             )
@@ -469,6 +495,8 @@ def run_under_accelerate(case, accelerator):
         if ddp and accelerator.sync_gradients:
             allreduces_per_step.append(allreduce_calls["count"])
             allreduce_calls["count"] = 0
+        if reduce_scatters and accelerator.sync_gradients:
+            reduce_scatters_per_step.append(reduce_scatters.pop("count", 0))
 
     result = {
         "losses": losses,
@@ -481,6 +509,10 @@ def run_under_accelerate(case, accelerator):
         result["deepspeed_global_steps"] = engine.global_steps
         result["deepspeed_skipped_steps"] = engine.skipped_steps
         result["deepspeed_first_loss_scale"] = first["loss_scale"]
+    if case.fsdp2:  # a reduce-scatter per FSDP2 unit and backward that synchronizes
+        result["reduce_scatters_per_step"] = reduce_scatters_per_step
+        result["units"] = sum(1 for module in models[0].modules() if hasattr(module, "unshard"))
+        reduce_scatters["stop"]()
     if ddp:
         result["allreduces_per_step"] = allreduces_per_step
         result.update(allreduce_controls(case, encoders, accelerator, allreduce_calls))
@@ -509,13 +541,18 @@ def tower_router(module, tower):
     return lambda features: module(features, tower)
 
 
+def whole(tensor):
+    """An FSDP2 DTensor's shards gathered (a collective: every rank calls it); a plain tensor itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def plain_gradients(model):
-    return {name: p.grad.detach().float().cpu().clone() for name, p in model.named_parameters()}
+    return {name: whole(p.grad).detach().float().cpu().clone() for name, p in model.named_parameters()}
 
 
 def full_weights(model, engine):
     if engine is None:
-        return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
+        return {name: whole(p).detach().float().cpu().clone() for name, p in model.named_parameters()}
     from deepspeed.utils import safe_get_full_fp32_param
 
     # A collective under ZeRO-3 (every rank calls it); the fp32 master weights, also under bf16/fp16.
@@ -559,6 +596,32 @@ def count_optimizer_steps(optimizer):
         counter["count"] += 1
 
     optimizer.register_step_post_hook(count)
+    return counter
+
+
+def fsdp2_control(case, accelerator, sync_argument):
+    """The backward of a case: accelerator.backward, but in an FSDP2 negative control (Case.control)."""
+    if case.control == "per-chunk":
+        sync_argument.pop("sync_context")
+        groups = math.ceil(PER_PROCESS_BATCH / CHUNK_SIZE)
+        return lambda surrogate: accelerator.backward(surrogate / groups)
+    if case.control == "drop-rank" and accelerator.is_last_process:
+        return lambda surrogate: accelerator.backward(surrogate * 0)
+    return accelerator.backward
+
+
+def count_reduce_scatters():
+    """Counts torch.distributed.reduce_scatter_single, FSDP2's gradient reduction; "stop" undoes it."""
+    import torch.distributed as dist
+
+    counter, reduce_scatter = {}, dist.reduce_scatter_single
+
+    def counting(*args, **kwargs):
+        counter["count"] = counter.get("count", 0) + 1
+        return reduce_scatter(*args, **kwargs)
+
+    dist.reduce_scatter_single = counting
+    counter["stop"] = lambda: setattr(dist, "reduce_scatter_single", reduce_scatter)
     return counter
 
 

@@ -49,7 +49,7 @@ SPARSITY = {"query_weight": 2e-2, "document_weight": 4e-2, "warmup_ratio": 1.0}
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    backend: str  # "plain" (one process, no wrapper), "ddp", "zero1", "zero2", "zero3"
+    backend: str  # "plain" (one process, no wrapper), "ddp", "zero1", "zero2", "zero3", "fsdp2" (fsdp_shim)
     processes: int
     chunking: str  # "size" (--chunk_size), "tokens" (--chunk_tokens), "uneven" (size, uneven batches)
     model: str  # "shared" (a BERT), "towers" (Router: query and document BERTs), "decoder" (Llama),
@@ -240,6 +240,7 @@ def accelerator_for(row):
     handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)]  # as train.py: the BERT pooler
     if "LOCAL_RANK" in os.environ and not torch.cuda.is_available():
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    os.environ.pop("ACCELERATE_USE_FSDP", None)  # set by accelerate for an FSDP row before
     if row.backend.startswith("zero"):
         config = {
             "train_micro_batch_size_per_gpu": PER_PROCESS_BATCH,
@@ -250,6 +251,15 @@ def accelerator_for(row):
             "steps_per_print": 10**9,
         }
         return Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), kwargs_handlers=handlers)
+    if row.backend == "fsdp2":  # accelerate_configs/fsdp2.yaml's settings, on CPU processes (fsdp_shim)
+        from accelerate import FullyShardedDataParallelPlugin
+        from fsdp_shim import install
+
+        install()
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True
+        )
+        return Accelerator(cpu=True, fsdp_plugin=plugin, kwargs_handlers=handlers)
     return Accelerator(cpu=True, kwargs_handlers=handlers)
 
 
@@ -263,7 +273,7 @@ class AppliedUpdates:
 
 def run_row(row, model_folder, out_dir, guide_folder):
     import train
-    from train_parts import models, sparse
+    from train_parts import fsdp, models, sparse
     from train_parts.common import flags_of
 
     reset_accelerate_state()
@@ -278,7 +288,7 @@ def run_row(row, model_folder, out_dir, guide_folder):
     optimizer = torch.optim.SGD(
         [p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE[row.model]
     )
-    engine, optimizer = accelerator.prepare(trained, optimizer)
+    engine, optimizer = fsdp.prepare(accelerator, trained, optimizer)
     engine.train()
     chunking = {"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {"chunk_size": args.chunk_size}
     budget = train.GraphBudget(args.graph_budget, accelerator)
@@ -326,10 +336,14 @@ def run_row(row, model_folder, out_dir, guide_folder):
         # A collective under ZeRO-3: every rank gathers; names without Towers' "model." prefix.
         named = [(n.removeprefix("model."), p) for n, p in engine.module.named_parameters()]
         weights = {n: safe_get_full_fp32_param(p).cpu().clone() for n, p in named if p.requires_grad}
+    elif row.backend == "fsdp2":  # each rank's shards gathered whole (a collective)
+        named = [(n, p.full_tensor()) for n, p in model.named_parameters() if p.requires_grad]
+        weights = trainable_weights(named)
     else:
         weights = trainable_weights(model.named_parameters())
     result = {"losses": losses, "chunks": chunks, "weights": weights, "masked": masked, "kept": kept}
-    result |= {"attention": attention, "classes": classes}
+    result |= {"attention": attention, "classes": classes, "backend": accelerator.distributed_type.value}
+    result["units"] = sorted(type(m).__name__ for m in engine.modules() if hasattr(m, "unshard"))  # FSDP2's
     save_atomically(result, Path(out_dir) / f"{row.name}.rank{accelerator.process_index}.pt")
     reset_accelerate_state()
 

@@ -5,8 +5,9 @@ own (--trust_remote_code).
 
 Every row trains NUM_STEPS SGD steps through train.py's own step (`train.gradient_cache_step`, on a model
 prepared by train.py's flags; tests/matrix_worker.py) under its backend and process count, on CPU (gloo,
-DeepSpeed's CPU accelerator), and is compared with a reference that shares none of our code: the model built
-from sentence-transformers and peft directly (`reference_model`), sentence-transformers' own loss
+DeepSpeed's CPU accelerator; FSDP2 through tests/fsdp_shim.py, each transformer layer a unit, as
+train_parts/fsdp.py prepares it), and is compared with a reference that shares none of our code: the
+model built from sentence-transformers and peft directly (`reference_model`), sentence-transformers' own loss
 (MultipleNegativesRankingLoss, its symmetric form, MatryoshkaLoss) on the whole global batch in one process,
 unchunked, dropout off, plain autograd and SGD. Without cross-process negatives the reference is the mean of
 each rank's loss on its own shard (what DDP and DeepSpeed average). Rows with a loss sentence-transformers
@@ -33,8 +34,8 @@ against the reference without the FLOPS terms: the negative controls. `-s` print
 the float32 reference's.
 
 The rows are a pairwise covering: every pair of values of two dimensions appears in some row
-(`test_rows_cover_every_pair`), except pairs that cannot exist: "plain" runs one process, DDP two or more,
-and uneven batch sizes need two processes or more; group-only negatives have no symmetric direction and
+(`test_rows_cover_every_pair`), except pairs that cannot exist: "plain" runs one process, DDP and FSDP2 two or
+more, and uneven batch sizes need two processes or more; group-only negatives have no symmetric direction and
 no cross-process candidates; a sparse encoder takes neither Matryoshka nor group-only negatives (train.py
 refuses them). The first three rows and the seventh are the defects that issue 15
 found in combinations; before its fix they crashed (gloo: "collective mismatch"), hung, trained wrong
@@ -89,7 +90,7 @@ from test_model_flags import build_custom_code_model
 from test_train import build_tiny_model
 
 DIMENSIONS = {
-    "backend": ("plain", "ddp", "zero1", "zero2", "zero3"),
+    "backend": ("plain", "ddp", "zero1", "zero2", "zero3", "fsdp2"),
     "processes": (1, 2, 3),
     "chunking": ("size", "tokens", "uneven"),
     "model": ("shared", "towers", "decoder", "splade", "inference-free"),
@@ -158,6 +159,16 @@ ROWS = [Row(*fields) for fields in [
     ("zero2", 2, "size", "inference-free", "one-way",
      "checkpointing", True, "in-batch", "distilled", 2, "none", "sdpa"),
     ("zero3", 2, "tokens", "inference-free", "one-way", "none", True, "in-batch", "none", 1, "all", "sdpa"),
+    # FSDP2 (fully_shard, each transformer layer a unit; tests/fsdp_shim.py on these CPU processes)
+    ("fsdp2", 2, "tokens", "shared", "one-way",
+     "lora", True, "in-batch", "masked", 2, "some", "eager", "remote"),
+    ("fsdp2", 3, "uneven", "towers", "matryoshka",
+     "checkpointing", False, "group", "distilled", 1, "none", "sdpa"),
+    ("fsdp2", 2, "size", "decoder", "symmetric", "none", True, "in-batch", "none", 1, "all", "sdpa"),
+    ("fsdp2", 2, "uneven", "splade", "one-way",
+     "checkpointing", False, "in-batch", "none", 2, "all", "eager"),
+    ("fsdp2", 3, "tokens", "inference-free", "symmetric",
+     "lora", True, "in-batch", "masked", 1, "some", "sdpa"),
 ]]
 # fmt: on
 MODEL_KINDS = {
@@ -172,7 +183,11 @@ MODEL_KINDS = {
 def possible(values):
     """Whether values of some dimensions can meet in a run."""
     backend, processes, chunking = (values.get(k) for k in ("backend", "processes", "chunking"))
-    if processes is not None and (backend, processes == 1) in {("plain", False), ("ddp", True)}:
+    if processes is not None and (backend, processes == 1) in {
+        ("plain", False),
+        ("ddp", True),
+        ("fsdp2", True),
+    }:
         return False
     if values.get("negatives") == "group" and (values.get("loss") == "symmetric" or values.get("cross")):
         return False  # without in-batch negatives there is no reverse direction, nor other processes' rows
@@ -434,6 +449,9 @@ def test_row_matches_sentence_transformers_on_the_global_batch(row, runs, model_
     # --trust_remote_code: the model's own class ran (TinyModel, a BERT), and only where the row says
     classes = [run["classes"] for run in ranks]
     assert all(("TinyModel" in names) == (row.code == "remote") for names in classes), classes
+    if row.backend == "fsdp2":  # accelerate's FSDP2 sharded it, each transformer layer a unit of its own
+        assert all(run["backend"] == "FSDP" for run in ranks), [run["backend"] for run in ranks]
+        assert any(unit.endswith("Layer") for unit in ranks[0]["units"]), ranks[0]["units"]
     folder, guide_folder = model_folders[row.folder], model_folders[GUIDE["model"]]
     truth = Measured(*reference_run(row, folder, guide_folder, torch.float64))
     float32 = Measured(*reference_run(row, folder, guide_folder, torch.float32))

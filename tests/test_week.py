@@ -241,15 +241,6 @@ def test_wandb_online_without_network_or_key_logs_offline_or_stops_at_once(
     assert time.monotonic() - started < 60
 
 
-def test_an_fsdp_config_is_refused_naming_zero3(tmp_path, monkeypatch, data, model_without_dropout):
-    """accelerate launch with an FSDP config sets ACCELERATE_USE_FSDP (on CPUs the distributed type stays
-    MULTI_CPU): refused in one line, as untested with Gradient Cache, pointing to ZeRO-3."""
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    with pytest.raises(SystemExit) as stopped:
-        run_main(monkeypatch, "--model", model_without_dropout, "--data", data[0], "--output_dir", tmp_path)
-    assert "FSDP is not supported" in stopped.value.code and "deepspeed_zero3.yaml" in stopped.value.code
-
-
 def test_cross_process_negatives_apply_to_the_sources_with_in_batch_negatives(sources, model_without_dropout):
     """A source without in-batch negatives has no other rows to contrast with: it trains on its own groups
     while the others contrast across processes (the whole run was refused); with no such source at all,

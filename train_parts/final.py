@@ -5,8 +5,11 @@ never the base model's card, which sentence-transformers would copy.
 Flags served: --merge_lora; the card shows every flag and the numbers derived from them (`describe_training`).
 """
 
+import contextlib
 import json
 import shlex
+
+import torch
 
 from .common import is_hub_name
 from .models import gathered_parameters, transformers_models
@@ -69,12 +72,36 @@ def save_final_model(accelerator, model, path, merge_lora=False):
     for module in model.modules():
         if renamings := getattr(module, "_weight_conversions", None):
             module._weight_conversions = [renaming for renaming in renamings if renaming.was_used()]
-    with gathered_parameters(model):
+    fsdp2 = getattr(accelerator, "is_fsdp2", False)  # accelerate 1.0 has no FSDP2
+    with whole_weights(accelerator, model) if fsdp2 else gathered_parameters(model):
         if accelerator.is_main_process:
             if merge_lora:
                 merge_lora_adapters(model)
             model.save(str(path))
     accelerator.wait_for_everyone()
+
+
+@contextlib.contextmanager
+def whole_weights(accelerator, model):
+    """FSDP2: the full state dict (accelerator.get_state_dict, every process gathering) in place of the main
+    process's sharded parameters while it saves, put back after. The parameters fully_shard unshards are
+    views into its gather buffer, which safetensors cannot read ("invalid python storage")."""
+    state = accelerator.get_state_dict(model)
+    sharded = {}
+    if accelerator.is_main_process:
+        for name, tensor in state.items():
+            owner, _, leaf = name.rpartition(".")
+            module = model.get_submodule(owner)
+            slots = module._parameters if leaf in module._parameters else module._buffers
+            sharded[name] = (slots, leaf, slots[leaf])
+            slots[leaf] = (
+                torch.nn.Parameter(tensor, requires_grad=False) if slots is module._parameters else tensor
+            )
+    try:
+        yield
+    finally:
+        for slots, leaf, original in sharded.values():
+            slots[leaf] = original
 
 
 def merge_lora_adapters(model):

@@ -314,10 +314,28 @@ def is_router(model):
 
 def gathered_parameters(model):
     """Under ZeRO-3 (parameters partitioned by DeepSpeed, which marks them with `ds_id`), DeepSpeed's
-    GatheredParameters makes every parameter whole on every process; otherwise nothing to do."""
+    GatheredParameters makes every parameter whole on every process; under FSDP2 every fully_shard unit is
+    unsharded (`unsharded`); otherwise nothing to do."""
     parameters = list(model.parameters())
+    units = [module for module in model.modules() if hasattr(module, "set_requires_gradient_sync")]
+    if units:
+        return unsharded(units)
     if not any(hasattr(parameter, "ds_id") for parameter in parameters):
         return contextlib.nullcontext()
     from deepspeed.runtime.zero import GatheredParameters
 
     return GatheredParameters(parameters, modifier_rank=None)
+
+
+@contextlib.contextmanager
+def unsharded(units):
+    """FSDP2's units (FSDPModule) all-gathered on every process, their modules holding whole parameters (which
+    state_dict and save read), sharded again after. Gathered here, not first in sentence-transformers'
+    inference_mode, where the whole parameters made would be inference tensors that training cannot use."""
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()

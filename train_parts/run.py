@@ -392,8 +392,11 @@ def checkpoint_state(progress, derived, args, wandb_run_id, facts):
 
 def check_weights_finite(accelerator, model, streak, progress):
     """Stop before a checkpoint of weights that are not finite (a step that overflowed them): `latest` would
-    resume into it. Each process checks its own (under ZeRO-3 its partition), one all-reduce."""
-    finite = [torch.isfinite(getattr(p, "ds_tensor", p)).all() for p in model.parameters()]
+    resume into it. Each process checks its own (under ZeRO-3 and FSDP2 its shard), one all-reduce."""
+    local = [
+        p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p) for p in model.parameters()
+    ]
+    finite = [torch.isfinite(part).all() for part in local]
     bad = (~torch.stack(finite).all()).float().to(accelerator.device)
     if accelerator.reduce(bad, "max").item():
         where = streak.where_to_resume()
