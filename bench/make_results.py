@@ -27,6 +27,7 @@ SECTIONS = {
     "checkpointing": "6. Gradient checkpointing inside the chunks: memory saved, time paid",
     "budget": "7. Budgeted Gradient Cache: the stage-1 graphs kept against the no-cache lower bound",
     "data_scale": "8. Data beyond memory: millions of triples converted once, memory-mapped by 2 processes",
+    "sharding_memory": "9. Sharded models: peak memory per process under DDP, ZeRO-3 and FSDP2",
 }
 BUDGET_ALL_TARGET, BUDGET_LINEAR_POINTS = 1.05, 0.05  # every graph kept: the lower bound's compute
 DEVICES = {"cpu": "", "gpu": " --device cuda --preset gpu", "smoke": " --preset smoke"}
@@ -36,6 +37,7 @@ COMMANDS = {
     ("budget", "gpu"): "gpu_check.py --budget_sweep",
     ("data_scale", "cpu"): "data_scale.py --sizes 1000000 3000000 10000000",
     ("data_scale", "gpu"): "data_scale.py  # the data path is the CPU's alone: the CPU section stands",
+    ("sharding_memory", "gpu"): "gpu_check.py  # FSDP2 on 2 GPUs; the CPU section measures the sharding",
 }
 
 
@@ -591,6 +593,23 @@ def data_scale_targets(saved):
     return rows, reasons
 
 
+def sharding_targets(saved):
+    """What sharding saves: each backend's peak per process against DDP's at the same processes, beside the
+    saving the model's state predicts (16 bytes a parameter, of which a process keeps 1/N when sharded)."""
+    results = saved["results"]
+    state = results["parameters"] * 16
+    rows = []
+    for processes in sorted({p["processes"] for p in results["points"]}):
+        peaks = {p["backend"]: p["peak_bytes"] for p in results["points"] if p["processes"] == processes}
+        predicted = state * (1 - 1 / processes)
+        for backend in ("zero3", "fsdp2"):
+            saved_bytes = peaks["ddp"] - peaks[backend]
+            rows.append([f"{backend} at {processes} processes: peak per process against DDP's",
+                         f"{peaks[backend] / peaks['ddp']:.2f}x ({mib(saved_bytes)} saved of the "
+                         f"{mib(predicted)} the sharded state predicts)", "measured"])  # fmt: skip
+    return rows, []
+
+
 def model_name(point):
     layers = point.get("num_layers")
     return "full model" if layers is None else f"model cut to its first {layers} layer(s)"
@@ -652,6 +671,7 @@ def main(argv=None):
         "checkpointing": checkpointing_claim,
         "budget": budget_targets,
         "data_scale": data_scale_targets,
+        "sharding_memory": sharding_targets,
     }
     target_rows, why = [], []
     for name, check in checks.items():
