@@ -1004,7 +1004,7 @@ class Streak:
     were bad, and the last checkpoint saved (before them), which a stop names."""
 
     fp16: bool  # the loss is scaled: its scaler skips overflows
-    deepspeed: bool
+    backend_holds_gradients: bool  # DeepSpeed's buffers, FSDP2's unsynced gradients: zero_grad clears neither
     last_checkpoint: Path | None = None
     window: bool = False
     in_a_row: int = 0
@@ -1012,20 +1012,20 @@ class Streak:
 
     @classmethod
     def of(cls, accelerator, engine, last_checkpoint=None):
-        deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+        holds = fsdp.collective_passes(accelerator)
         fp16 = loss_scale(accelerator, engine) is not None
-        return cls(fp16, deepspeed, last_checkpoint, resumed_into_it=last_checkpoint is not None)
+        return cls(fp16, holds, last_checkpoint, resumed_into_it=last_checkpoint is not None)
 
     def add_batch(self, report, source, progress):
         """One batch's report; a skipped one (a loss not finite: gradcache back-propagated nothing, anywhere)
         makes the window bad. `source`: the batch's source settings."""
         self.window |= report.skipped
-        if report.skipped and self.deepspeed and source.in_batch_negatives == "off":
+        if report.skipped and self.backend_holds_gradients and source.in_batch_negatives == "off":
             # group_step learns the loss is not finite only at the last chunk, once the others are
-            # back-propagated: into DeepSpeed's gradient buffers, which no skipped step clears.
+            # back-propagated: into the backend's gradient buffers, which no skipped step clears.
             fail(
                 f"step {progress.global_step + 1}: the loss was not finite, and without in-batch "
-                "negatives DeepSpeed already holds the gradients of its first chunks, which would "
+                "negatives DeepSpeed or FSDP2 already holds the gradients of its first chunks, which would "
                 "leak into the next step. Resume from the last checkpoint "
                 f"({self.last_checkpoint or 'none was saved'}) with a lower --lr, or check the data."
             )
@@ -1081,7 +1081,8 @@ def optimizer_step(accelerator, engine, optimizer, scheduler, args, progress, st
         if not streak.window:
             optimizer.step()
         overflow = streak.fp16 and accelerator.optimizer_step_was_skipped
-        if streak.deepspeed and infinite and not accelerator.optimizer_step_was_skipped:
+        deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+        if deepspeed and infinite and not accelerator.optimizer_step_was_skipped:
             fail(
                 f"DeepSpeed applied step {progress.global_step + 1} with a gradient norm of {grad_norm}: the "
                 "weights are no longer finite. Resume from the last checkpoint "

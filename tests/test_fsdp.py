@@ -130,12 +130,13 @@ def test_fsdp2_yaml_on_cpus_without_the_shim_stops_in_one_line(tmp_path, data, m
     assert not (tmp_path / "checkpoints").exists()
 
 
-def shim_environment(folder):
+def shim_environment(folder, first=SGD_SITECUSTOMIZE):
     """A launch of train.py under FSDP2 on CPU processes, with SGD in place of AdamW (tests/test_train.py's
-    exactness runs): a sitecustomize.py (in `folder`) that installs both, and ACCELERATE_USE_CPU."""
+    exactness runs, or what `first` says): a sitecustomize.py (in `folder`) that installs both, and
+    ACCELERATE_USE_CPU."""
     site = folder / "fsdp_sitecustomize"
     site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(SGD_SITECUSTOMIZE + "\n" + sitecustomize_line())
+    (site / "sitecustomize.py").write_text(first + "\n" + sitecustomize_line())
     path = os.pathsep.join(filter(None, [str(site), str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
     return {"PYTHONPATH": path, "ACCELERATE_USE_CPU": "true", "CUDA_VISIBLE_DEVICES": ""}
 

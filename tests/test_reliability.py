@@ -19,6 +19,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_fsdp import shim_environment
 from test_sources import two_source_flags
 from test_train import CONFIGS, launch, logged_scalars, run_main, weights, zero3_partitioning_everything
 
@@ -344,12 +345,12 @@ def test_a_non_finite_step_never_reaches_the_weights(
         assert f"step {step}: loss or gradient not finite, update skipped" in output
 
 
-@pytest.mark.parametrize("config", ["cpu.yaml", "deepspeed_zero2.yaml"])
+@pytest.mark.parametrize("config", ["cpu.yaml", "deepspeed_zero2.yaml", "fsdp2.yaml"])
 def test_a_non_finite_step_without_in_batch_negatives(config, tmp_path, data, model_without_dropout, capsys):
     """group_step finds the loss not finite only at its last chunk, the first chunks back-propagated: on the
     CPU the step is skipped and its gradients cleared, so the weights stay those of step 1; under DeepSpeed,
-    whose buffers already hold them, the run stops naming the checkpoint before. The CPU run runs in this
-    process (suite time); the DeepSpeed one is launched."""
+    and FSDP2 (2 processes, its unsynced gradients), whose buffers already hold them, the run stops naming
+    the checkpoint before. The CPU run runs in this process (suite time); the others are launched."""
     args = ("--model", model_without_dropout, "--data", data[0], "--max_steps", 2, "--save_steps", 1)
     args += ("--in_batch_negatives", "off")
     if config == "cpu.yaml":
@@ -360,12 +361,17 @@ def test_a_non_finite_step_without_in_batch_negatives(config, tmp_path, data, mo
         assert all(torch.equal(final[name.removeprefix("model.")], step_1[name]) for name in step_1)
         return
     env = {"PYTHONPATH": f"{FAULTS}{os.pathsep}{Path(__file__).parents[1]}", "GRADCACHE_FAULT_NAN": "2"}
-    done = launch(CONFIGS / config, tmp_path, *RUN, *args, env=env, check=False)
+    if config == "fsdp2.yaml":  # the shim's sitecustomize running the faults' one first
+        env = shim_environment(tmp_path, f"exec(open({str(FAULTS / 'sitecustomize.py')!r}).read())\n")
+        env |= {"PYTHONPATH": f"{env['PYTHONPATH']}{os.pathsep}{Path(__file__).parents[1]}"}
+        env["GRADCACHE_FAULT_NAN"] = "2"
+    processes = 2 if config == "fsdp2.yaml" else 1
+    done = launch(CONFIGS / config, tmp_path, *RUN, *args, env=env, check=False, processes=processes)
     assert done.returncode != 0
     assert (
-        "step 2: the loss was not finite, and without in-batch negatives DeepSpeed already holds the "
-        "gradients of its first chunks, which would leak into the next step. Resume from the last checkpoint "
-        f"({tmp_path / 'checkpoints' / 'step_1'})"
+        "step 2: the loss was not finite, and without in-batch negatives DeepSpeed or FSDP2 already holds "
+        "the gradients of its first chunks, which would leak into the next step. Resume from the last "
+        f"checkpoint ({tmp_path / 'checkpoints' / 'step_1'})"
     ) in done.stderr
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
 
