@@ -26,6 +26,7 @@ The parts main calls live in train_parts/, a module per job, each taking the val
     common  the one-line failure, version checks, the hub probe   models  load, prepare, save the model
     pairs   the data: records, batch order, dev set (yours here)  run     folders, checkpoints, resume
     logs    trackers, metrics, progress line, evaluation          sparse  SPLADE's defaults and FLOPS
+    multi_vector  ColBERT's checks and MaxSim loss
 README.md's feature map says, for each flag, where it acts and the test that guards it.
 """
 
@@ -60,7 +61,7 @@ from sentence_transformers.sentence_transformer.modules import Pooling
 from tqdm.auto import tqdm
 
 import gradcache
-from train_parts import final, logs, models, pairs, run, sparse
+from train_parts import final, logs, models, multi_vector, pairs, run, sparse
 from train_parts.launch import launch_facts
 
 # DeepSpeed 0.19's ZeRO-3 calls torch.distributed's all_gather_into_tensor and reduce_scatter_tensor, which
@@ -651,11 +652,12 @@ def make_evaluator(args, dev_data, model, prompts, accelerator):
 
 
 def load_model(args, sources, device="cpu", say=print):
-    """--model loaded (models.load_model), its sparse-encoder flags checked, and prepared as the flags say."""
+    """--model loaded (models.load_model), its family's flags checked, and prepared as the flags say."""
     flags = flags_of(models.ModelFlags, args)
     model = models.load_model(args.model, device, args.pooling, say, **models.model_options(flags))
     group_only = any(source.in_batch_negatives == "off" for source in sources)
     sparse.check_flags(model, flags_of(sparse.SparseFlags, args), group_only)
+    multi_vector.check_flags(model, flags_of(multi_vector.MultiVectorFlags, args), group_only)
     return models.prepare_model(model, flags)
 
 
@@ -894,6 +896,8 @@ def loss_function(source, model, penalty=None):
         options |= dict(symmetric=source.symmetric, tile_size=source.loss_tile_size)
     contrastive = gradcache.contrastive_loss if source.in_batch_negatives == "on" else gradcache.group_loss
     loss = functools.partial(contrastive, **options)
+    if multi_vector.is_multi_vector(model):  # MaxSim over token matrices (check_flags refused the rest)
+        return functools.partial(multi_vector.maxsim_loss, scale=options["scale"])
     if penalty is None:
         return loss
 

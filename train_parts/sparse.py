@@ -1,12 +1,13 @@
 """Sparse encoders (SPLADE, inference-free): the defaults that depend on the model, the flags that do not fit
 it, and the FLOPS regularizers added to the contrastive loss.
 
-Flags served: --sparse_query_weight, --sparse_document_weight, --sparse_warmup_ratio, and the --scale default.
+Flags served: --sparse_query_weight, --sparse_document_weight, --sparse_warmup_ratio, and the --scale default
+(every model family's).
 """
 
 import dataclasses
 
-from sentence_transformers import SparseEncoder
+from sentence_transformers import MultiVectorEncoder, SparseEncoder
 
 from .common import fail
 from .models import transformers_models
@@ -28,17 +29,19 @@ class SparseFlags:
 
 
 # The defaults of the flags that depend on the model (None): sentence-transformers' SpladeLoss's weights and
-# warm-up, and the scale of its SparseMultipleNegativesRankingLoss (dot products of unnormalized weights).
+# warm-up, and the scale of its SparseMultipleNegativesRankingLoss (dot products of unnormalized weights) and
+# of MultiVectorMultipleNegativesRankingLoss (MaxSim, a sum over the query's tokens); 20 for cosine.
 SPARSE_DEFAULTS = {"sparse_query_weight": 5e-5, "sparse_document_weight": 3e-5, "sparse_warmup_ratio": 1 / 3}
-SCALE_DEFAULT = {"dense": 20.0, "sparse": 1.0}
+SCALE_DEFAULT = {"dense": 20.0, "sparse": 1.0, "multi-vector": 1.0}
 
 
 def model_default(flags, name, model):
     """--name as given, or its default for this model (SPARSE_DEFAULTS, SCALE_DEFAULT)."""
     if (value := getattr(flags, name)) is not None:
         return value
-    sparse = isinstance(model, SparseEncoder)
-    return SCALE_DEFAULT["sparse" if sparse else "dense"] if name == "scale" else SPARSE_DEFAULTS[name]
+    kind = "sparse" if isinstance(model, SparseEncoder) else "dense"
+    kind = "multi-vector" if isinstance(model, MultiVectorEncoder) else kind
+    return SCALE_DEFAULT[kind] if name == "scale" else SPARSE_DEFAULTS[name]
 
 
 def check_flags(model, flags, group_only=False):
