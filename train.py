@@ -645,10 +645,10 @@ def negatives_per_example(args, processes, train_data):
 
 
 def make_evaluator(args, dev_data, model, prompts, accelerator):
-    """The dev set's evaluator (pairs.build_evaluator), with the first source's prompts; a sparse encoder's
-    also counts its active dimensions (sentence-transformers' SparseInformationRetrievalEvaluator)."""
+    """The dev set's evaluator (pairs.build_evaluator), with the first source's prompts, of the model's kind:
+    a sparse encoder's counts its active dimensions, a multi-vector model's scores by MaxSim."""
     dev = (args.dev_queries, prompts[0], args.dev_corpus_size, args.seed, accelerator.print)
-    return pairs.build_evaluator(dev_data, *dev, sparse=isinstance(model, SparseEncoder))
+    return pairs.build_evaluator(dev_data, *dev, kind=sparse.model_kind(model))
 
 
 def load_model(args, sources, device="cpu", say=print):

@@ -15,7 +15,7 @@ from references import StageOneRecorder, maxsim_kept_in_float64
 from test_any_model import COLUMNS, column_texts, trained_as
 from test_gradcache import assert_gradients_exact, assert_gradients_inexact
 from test_model_flags import one_line_error
-from test_train import build_tiny_model, run_main
+from test_train import build_tiny_model, logged_scalars, run_main
 
 import train
 from gradcache import TokenMatrices
@@ -29,7 +29,10 @@ def sentence_transformers_reference(columns):
 
     def replayed(copies, cast):
         (copied,) = copies
-        features = [dict(column) | {"task": models.role_task(name)} for column, name in zip(columns, COLUMNS)]
+        features = [
+            dict(column) | {"task": models.role_task(name)}
+            for column, name in zip(columns, COLUMNS, strict=True)
+        ]
         with maxsim_kept_in_float64():
             loss = MultiVectorMultipleNegativesRankingLoss(copied)(features)
         loss.backward()
@@ -101,3 +104,57 @@ def test_a_multi_vector_step_is_exact_against_sentence_transformers_loss(tmp_pat
             patch.setattr(multi_vector, "maxsim", planted)
             step()
         assert_gradients_inexact([model], reference, planted.__name__)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A ColBERT folder trains, end to end, into a MultiVectorEncoder that encodes a matrix per text
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_colbert_folder_trains_into_a_multi_vector_encoder_that_reloads(
+    tmp_path, data, monkeypatch, capsys
+):
+    from sentence_transformers import MultiVectorEncoder
+
+    folder = build_tiny_model(tmp_path, dropout=0.1, kind="colbert")
+    run = ("--output_dir", tmp_path / "run", "--model", folder, "--data", data[0], "--dev_data", data[1])
+    run += ("--batch_size", 8, "--chunk_size", 3, "--max_steps", 3, "--eval_steps", 3, "--lr", 5e-3)
+    run_main(monkeypatch, *run)
+    out = capsys.readouterr().out
+    assert "load it with MultiVectorEncoder(path)" in out
+    final = tmp_path / "run" / "final"
+    saved = json.loads((final / "config_sentence_transformers.json").read_text())
+    assert saved["model_type"] == "MultiVectorEncoder"
+    reloaded, initial = (MultiVectorEncoder(str(path), device="cpu") for path in (final, folder))
+    assert [type(module).__name__ for module in reloaded] == [type(module).__name__ for module in initial]
+    assert reloaded[2].skiplist_words == initial[2].skiplist_words  # its masks, as the input's
+    texts = column_texts(5, 6) + ["w1 w2 w30"]  # w1, w2: skip-list words, out of a document's matrix
+    encoded, before = reloaded.encode_document(texts), initial.encode_document(texts)
+    assert [matrix.shape for matrix in encoded] == [matrix.shape for matrix in before]
+    assert encoded[-1].shape == (3, 16)  # [CLS] w30 [SEP]
+    assert max(float((a - b).abs().max()) for a, b in zip(encoded, before, strict=True)) > 1e-3  # trained
+    logged = {tag: [value for _, value in points] for tag, points in logged_scalars(tmp_path / "run").items()}
+    assert len(logged["eval/dev_maxsim_ndcg@10"]) == 2 and len(logged["train/in_batch_accuracy"]) == 3
+    assert "train/masked_fraction" in logged  # --mask_repeated_texts on, by text ids, as for any model
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--matryoshka_dims", "16,8"],
+        ["--similarity", "cos"],
+        ["--symmetric"],
+        ["--in_batch_negatives", "off"],
+        ["--false_negative_margin", "0.1"],
+        ["--distill_weight", "1"],
+    ],
+    ids=lambda flags: flags[0].lstrip("-"),
+)
+def test_flags_that_do_not_fit_a_multi_vector_model_are_refused_in_one_line(tmp_path, capsys, flags):
+    folder = build_tiny_model(tmp_path, dropout=0.0, kind="colbert")
+    flag = " ".join(flags) if flags[0] == "--in_batch_negatives" else flags[0]
+    one_line_error(
+        capsys,
+        lambda: trained_as(folder, flags),
+        rf"^train.py: error: {flag}: --model .* is a multi-vector model \(ColBERT\): .* Drop {flag}\.$",
+    )

@@ -59,8 +59,8 @@ def build_tiny_model(folder, dropout, kind="mean"):
           "splade"  a SparseEncoder: the BERT with its masked-language-model head, SpladePooling("max")
           "inference-free"  a SparseEncoder Router: a SparseStaticEmbedding (weights drawn around 1) for the
                     queries, the SPLADE BERT for the documents
-          "colbert" a MultiVectorEncoder: the BERT, a Dense 32 -> 16 on its token embeddings, a MultiVectorMask
-                    that leaves the words w0 to w4 of the documents out, Normalize (ColBERT)
+          "colbert" a MultiVectorEncoder: the BERT, a Dense 32 -> 16 on its token embeddings, a
+                    MultiVectorMask that leaves the words w0 to w4 of the documents out, Normalize (ColBERT)
     """
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules import Router

@@ -16,11 +16,12 @@ import math
 import torch
 from sentence_transformers import MultiVectorEncoder
 
-from gradcache import TokenMatrices
+from gradcache import TokenMatrices, collective_device, gather_from_all_processes
 
 from .common import fail
 
 __all__ = ["MultiVectorFlags", "is_multi_vector", "check_flags", "maxsim_loss", "maxsim", "TILE_ELEMENTS"]
+__all__ += ["gather_token_matrices"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,3 +230,20 @@ class TiledMaxSim(torch.autograd.Function):
             grad_queries[q][query_rows] += grad_query
             grad_candidates[c][candidate_rows] += grad_candidate
         return None, *grad_queries, *grad_candidates
+
+
+def gather_token_matrices(embeddings):
+    """Every process's token matrices in rank order, as the multi-vector evaluator's embed_inputs makes them:
+    a list of tokens x d tensors (documents), or one rows x tokens x d tensor, zero-padded (queries)."""
+    padded = embeddings if torch.is_tensor(embeddings) else torch.nn.utils.rnn.pad_sequence(embeddings, True)
+    device = padded.device
+    pieces = gather_from_all_processes(padded.to(collective_device()))
+    if torch.is_tensor(embeddings):
+        width = max(piece.shape[1] for piece in pieces)
+        return torch.cat(
+            [torch.nn.functional.pad(piece, (0, 0, 0, width - piece.shape[1])) for piece in pieces]
+        ).to(device)
+    lengths = torch.tensor([len(matrix) for matrix in embeddings], device=collective_device())
+    counts = torch.cat(gather_from_all_processes(lengths)).tolist()
+    rows = [row for piece in pieces for row in piece]
+    return [row[:count].to(device) for row, count in zip(rows, counts, strict=True)]

@@ -12,7 +12,8 @@ from sentence_transformers import MultiVectorEncoder, SparseEncoder
 from .common import fail
 from .models import transformers_models
 
-__all__ = ["SparseFlags", "SPARSE_DEFAULTS", "model_default", "check_flags", "SparsityPenalty", "flops"]
+__all__ = ["SparseFlags", "SPARSE_DEFAULTS", "model_default", "model_kind", "check_flags", "SparsityPenalty"]
+__all__ += ["flops"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +40,14 @@ def model_default(flags, name, model):
     """--name as given, or its default for this model (SPARSE_DEFAULTS, SCALE_DEFAULT)."""
     if (value := getattr(flags, name)) is not None:
         return value
-    kind = "sparse" if isinstance(model, SparseEncoder) else "dense"
-    kind = "multi-vector" if isinstance(model, MultiVectorEncoder) else kind
-    return SCALE_DEFAULT[kind] if name == "scale" else SPARSE_DEFAULTS[name]
+    return SCALE_DEFAULT[model_kind(model)] if name == "scale" else SPARSE_DEFAULTS[name]
+
+
+def model_kind(model):
+    """How it scores and evaluates: "sparse" (SparseEncoder), "multi-vector" (MultiVectorEncoder), "dense"."""
+    if isinstance(model, (SparseEncoder, MultiVectorEncoder)):
+        return "sparse" if isinstance(model, SparseEncoder) else "multi-vector"
+    return "dense"
 
 
 def check_flags(model, flags, group_only=False):
