@@ -616,30 +616,20 @@ class TokenMatrices:
     def from_flat(self, flat):
         """Blocks shaped as this one's, from a flat tensor of their values."""
         return self.like(
-            [
-                v.view_as(b)
-                for v, b in zip(flat.split([b.numel() for b in self.blocks]), self.blocks, strict=True)
-            ]
+            list(map(torch.Tensor.view_as, flat.split([b.numel() for b in self.blocks]), self.blocks))
         )
 
     @staticmethod
     def gathered(local):
         """Every process's TokenMatrices in rank order, joined into one: indices offset by the rows before."""
-        gathered = [gather_from_all_processes(x) for x in (local.flatten(), *local.indices_and_shapes())]
-        joined, first = TokenMatrices(), 0
-        for flat, indices, shapes in zip(*gathered, strict=True):
-            sizes = [int(torch.prod(shape)) for shape in shapes]
-            joined.blocks += [
-                v.view(*shape.tolist()) for v, shape in zip(flat.split(sizes), shapes, strict=True)
-            ]
-            joined.indices += list((indices + first).split([int(shape[0]) for shape in shapes]))
-            first += len(indices)
+        shapes = torch.tensor([block.shape for block in local.blocks], device=local.device)
+        local = (local.flatten(), torch.cat(local.indices).to(local.device), shapes)
+        joined = TokenMatrices()
+        for flat, indices, shapes in zip(*map(gather_from_all_processes, local), strict=True):
+            values = flat.split(shapes.prod(dim=1).tolist())
+            joined.blocks += [v.view(*shape) for v, shape in zip(values, shapes.tolist(), strict=True)]
+            joined.indices += list((indices + len(joined)).split(shapes[:, 0].tolist()))
         return joined
-
-    def indices_and_shapes(self):
-        return torch.cat(self.indices).to(self.device), torch.tensor(
-            [b.shape for b in self.blocks], device=self.device
-        )
 
 
 def select_examples(column, index):
