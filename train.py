@@ -25,8 +25,7 @@ order, the step and its side data (what the loss is given), the optimizer step, 
 The parts main calls live in train_parts/, a module per job, each taking the values it uses:
     common  the one-line failure, version checks, the hub probe   models  load, prepare, save the model
     pairs   the data: records, batch order, dev set (yours here)  run     folders, checkpoints, resume
-    logs    trackers, metrics, progress line, evaluation          sparse  SPLADE's defaults and FLOPS
-    multi_vector  ColBERT's checks and MaxSim loss
+    logs    trackers, metrics, progress line, evaluation          sparse, multi_vector  SPLADE's, ColBERT's
 README.md's feature map says, for each flag, where it acts and the test that guards it.
 """
 
@@ -895,9 +894,9 @@ def loss_function(source, model, penalty=None):
     if source.in_batch_negatives == "on":
         options |= dict(symmetric=source.symmetric, tile_size=source.loss_tile_size)
     contrastive = gradcache.contrastive_loss if source.in_batch_negatives == "on" else gradcache.group_loss
-    loss = functools.partial(contrastive, **options)
     if multi_vector.is_multi_vector(model):  # MaxSim over token matrices (check_flags refused the rest)
-        return functools.partial(multi_vector.maxsim_loss, scale=options["scale"])
+        contrastive, options = multi_vector.maxsim_loss, {"scale": options["scale"]}
+    loss = functools.partial(contrastive, **options)
     if penalty is None:
         return loss
 
