@@ -158,3 +158,45 @@ def test_flags_that_do_not_fit_a_multi_vector_model_are_refused_in_one_line(tmp_
         lambda: trained_as(folder, flags),
         rf"^train.py: error: {flag}: --model .* is a multi-vector model \(ColBERT\): .* Drop {flag}\.$",
     )
+
+
+def test_repeated_texts_leave_the_maxsim_softmax_as_in_the_materialized_scores():
+    """--mask_repeated_texts on token matrices: a hard negative repeating another row's positive, and an
+    anchor repeating another row's anchor, leave the rows' softmax; against sentence-transformers'
+    colbert_scores materialized (B x N), the masked entries set to -inf by hand, float64."""
+    from sentence_transformers.multi_vector_encoder.scoring import colbert_scores
+
+    from gradcache import FalseNegatives
+
+    torch.manual_seed(0)
+    rows, tokens, width = 6, 5, 8
+    columns = []
+    for _ in COLUMNS:
+        vectors = torch.nn.functional.normalize(torch.randn(rows, tokens, width, dtype=torch.float64), dim=-1)
+        mask = torch.rand(rows, tokens) < 0.7
+        mask[:, 0] = True
+        columns.append(torch.cat([vectors, mask[..., None].double()], dim=-1).requires_grad_())
+    ids = [torch.arange(rows) + 100 * c for c in range(len(COLUMNS))]
+    ids[2][0] = ids[1][3]  # row 0's hard negative is row 3's positive
+    ids[0][4] = ids[0][1]  # rows 1 and 4 share their anchor: each one's positive is right for the other
+    stats = {}
+    loss = multi_vector.maxsim_loss(*columns, scale=2.0, false_negatives=FalseNegatives(ids=ids), stats=stats)
+    loss.backward()
+    run = [loss.detach(), *[column.grad[..., :-1].clone() for column in columns]]
+
+    reference_columns = [column.detach().clone().requires_grad_() for column in columns]
+    anchor, *documents = reference_columns
+    stacked = torch.stack([d[..., :-1] for d in documents], dim=1)  # B x (1 + k) x tokens x d, query-major
+    with maxsim_kept_in_float64():
+        document_masks = torch.stack([d[..., -1] > 0 for d in documents], 1)
+        scores = 2.0 * colbert_scores(anchor[..., :-1], stacked, anchor[..., -1] > 0, document_masks)
+    masked = torch.zeros_like(scores, dtype=torch.bool)
+    masked[3, 0 * 2 + 1] = True  # row 3 against row 0's hard negative (query-major: row 0, place 1)
+    masked[1, 4 * 2], masked[4, 1 * 2] = True, True  # the other's positive
+    loss = torch.nn.functional.cross_entropy(scores.masked_fill(masked, -torch.inf), torch.arange(rows) * 2)
+    loss.backward()
+    truth = [loss.detach(), *[column.grad[..., :-1] for column in reference_columns]]
+    assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(run, truth, strict=True))
+    assert stats["masked_fraction"] == pytest.approx(3 / (rows * (2 * rows - 1)))
+    unmasked = multi_vector.maxsim_loss(*[c.detach() for c in columns], scale=2.0)
+    assert not torch.allclose(unmasked, truth[0])  # the negative control: without the masks

@@ -199,6 +199,9 @@ class TiledMaxSim(torch.autograd.Function):
             scores, (at_row, at_column) = plan.scores(query_block, candidate_block, local, columns)
             local = local.to(device)
             target_scores[local[at_row]] = scores[at_row, at_column]
+            if plan.mask is not None:  # what the masks took out: -inf, which no score reaches otherwise
+                plan.mask.masked = plan.mask.masked + torch.isneginf(scores).sum()
+                plan.mask.seen += scores.numel() - len(at_row)
             new_max = torch.maximum(row_max[local], scores.amax(dim=1))
             row_sum[local] = row_sum[local] * torch.exp(row_max[local] - new_max) + (
                 scores - new_max[:, None]
