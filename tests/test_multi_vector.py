@@ -15,7 +15,7 @@ from references import StageOneRecorder, maxsim_kept_in_float64
 from test_any_model import COLUMNS, column_texts, trained_as
 from test_gradcache import assert_gradients_exact, assert_gradients_inexact
 from test_model_flags import one_line_error
-from test_train import build_tiny_model, logged_scalars, run_main
+from test_train import CONFIGS, build_tiny_model, launch, logged_scalars, run_main
 
 import train
 from gradcache import TokenMatrices
@@ -200,3 +200,53 @@ def test_repeated_texts_leave_the_maxsim_softmax_as_in_the_materialized_scores()
     assert stats["masked_fraction"] == pytest.approx(3 / (rows * (2 * rows - 1)))
     unmasked = multi_vector.maxsim_loss(*[c.detach() for c in columns], scale=2.0)
     assert not torch.allclose(unmasked, truth[0])  # the negative control: without the masks
+
+
+def test_two_processes_share_the_multi_vector_evaluation(tmp_path, data):
+    """Two DDP processes, cross-process negatives, each encoding half the dev set: the token matrices are
+    gathered with their lengths, and the scores before training are those of one process evaluating alone."""
+    from sentence_transformers import MultiVectorEncoder
+
+    from train_parts import pairs
+
+    folder = build_tiny_model(tmp_path, dropout=0.0, kind="colbert")
+    launch(
+        CONFIGS / "cpu_ddp_2proc.yaml", tmp_path / "run", "--model", folder, "--data", data[0], "--dev_data",
+        data[1], "--batch_size", 4, "--chunk_size", 3, "--max_steps", 1, "--eval_steps", 1,
+        "--cross_process_negatives", "--wandb_mode", "disabled",
+        processes=2, env={"ACCELERATE_USE_CPU": "true"},
+    )  # fmt: skip
+    logged = logged_scalars(tmp_path / "run")["eval/dev_maxsim_ndcg@10"]  # coarse: the gather itself is below
+    evaluator = pairs.build_evaluator(
+        pairs.load_pairs(str(data[1]))[0], 500, {}, say=len, kind="multi-vector"
+    )
+    alone = evaluator(MultiVectorEncoder(str(folder), device="cpu"))["dev_maxsim_ndcg@10"]
+    assert logged[0][1] == pytest.approx(alone, abs=1e-6), (logged, alone)
+
+
+GATHER_WORKER = """
+import sys, torch, torch.distributed as dist
+from train_parts.multi_vector import gather_token_matrices
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+documents = [torch.full((3 + 2 * rank + i, 4), 10.0 * rank + i) for i in range(2 + rank)]  # uneven, all
+queries = torch.full((2, 5 + rank, 4), float(rank))
+gathered = gather_token_matrices(documents), gather_token_matrices(queries)
+if rank == 0:
+    torch.save(gathered, sys.argv[1])
+dist.destroy_process_group()
+"""
+
+
+def test_token_matrices_of_two_processes_are_gathered_in_order_at_their_lengths(tmp_path):
+    """What the evaluation's gather gives (gather_token_matrices): every process's document matrices in rank
+    order, each at its own length; the queries' padded tensors zero-padded to the widest."""
+    from backend_worker import torchrun
+
+    (tmp_path / "worker.py").write_text(GATHER_WORKER)
+    torchrun(tmp_path / "worker.py", [str(tmp_path / "out.pt")], 2, {"OMP_NUM_THREADS": "1"}, timeout=120)
+    documents, queries = torch.load(tmp_path / "out.pt")
+    expected = [torch.full((3 + 2 * r + i, 4), 10.0 * r + i) for r in (0, 1) for i in range(2 + r)]
+    assert len(documents) == len(expected)
+    assert all(torch.equal(d, e) for d, e in zip(documents, expected, strict=True))
+    assert queries.shape == (4, 6, 4) and queries[:2, 5].abs().sum() == 0 and bool((queries[2:] == 1).all())
