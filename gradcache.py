@@ -220,7 +220,8 @@ def backpropagate_in_turn(groups, backpropagate_group, sync_context, out_of_memo
 # --- The three stages ------------------------------------------------------------------------------------
 class EncodingPass:
     """Stage 1's results: the cache (one fp32 buffer per column, in batch order: chunk tensors would fragment
-    the heap), each group's RNG state, the representations of the groups that keep a graph."""
+    the heap; token matrices a `TokenMatrices`), each group's RNG state, the representations of the groups
+    that keep a graph."""
 
     def __init__(self, encode, columns, groups, out_of_memory, interrupt):
         self.encode, self.columns, self.groups = encode, columns, groups
@@ -244,9 +245,11 @@ class EncodingPass:
         if measure:
             self.saved_bytes = sum(storage.nbytes() for storage in saved.values())
         for (c, index, padding), rep in zip(self.groups[g], reps, strict=True):
-            if self.cache[c] is None:
-                size = batch_size_of(self.columns[c])
-                self.cache[c] = torch.empty(size, *rep.shape[1:], dtype=torch.float32, device=rep.device)
+            if self.cache[c] is None:  # token matrices (several vectors a text): kept at each chunk's width
+                size, rows = batch_size_of(self.columns[c]), (*rep.shape[1:],)
+                self.cache[c] = (
+                    TokenMatrices() if rep.dim() > 2 else rep.new_empty(size, *rows, dtype=torch.float32)
+                )
             if not padding:
                 self.cache[c][index.to(rep.device)] = rep.detach().float()
         if keep:
@@ -323,11 +326,16 @@ def global_batch_gradients(loss_fn, leaves):
     """Stage 2 across processes: each gathers every process's columns (detached) and computes its share L_r,
     `loss_fn(*global_columns, local_rows=slice)`; dL/dr = sum_r dL_r/dr: one all-reduce carries them and
     the shares. Cost per process: O(B_local x B_global)."""
-    gathered = [gather_from_all_processes(leaf) for leaf in leaves]
-    sizes = [len(rows) for rows in gathered[0]]
+    sizes = [
+        int(n) for n in gather_from_all_processes(torch.tensor([len(leaves[0])], device=collective_device()))
+    ]
     first = sum(sizes[: dist.get_rank()])
     local_rows = slice(first, first + sizes[dist.get_rank()])
-    batch = [torch.cat(rows).requires_grad_() for rows in gathered]
+    tokens = [isinstance(leaf, TokenMatrices) for leaf in leaves]
+    gather = [
+        TokenMatrices.gathered if t else lambda x: torch.cat(gather_from_all_processes(x)) for t in tokens
+    ]
+    batch = [gathered(leaf).requires_grad_() for gathered, leaf in zip(gather, leaves, strict=True)]
     share = check_scalar(loss_fn(*batch, local_rows=local_rows))
     grads = gradients(share, batch)
     summed = torch.cat([share.detach().reshape(1), *[grad.flatten() for grad in grads]])
@@ -335,13 +343,23 @@ def global_batch_gradients(loss_fn, leaves):
     loss, grads = summed[0], summed[1:].split([grad.numel() for grad in grads])
     # DDP and DeepSpeed average over processes: each holds 1/world of the global gradient, so scale back.
     world_size = dist.get_world_size()
-    return loss, [g.view_as(rows)[local_rows] * world_size for g, rows in zip(grads, batch, strict=True)]
+    shaped = [
+        rows.from_flat(g * world_size) if t else (g * world_size).view_as(rows)
+        for g, rows, t in zip(grads, batch, tokens, strict=True)
+    ]
+    return loss, [g[local_rows] for g in shaped]
 
 
 def gradients(loss, inputs):
-    """d loss / d input for each input; zeros for an input the loss does not use."""
-    grads = torch.autograd.grad(loss, inputs, allow_unused=True)
-    return [torch.zeros_like(x) if grad is None else grad for x, grad in zip(inputs, grads, strict=True)]
+    """d loss / d input for each input (a `TokenMatrices`: block by block); zeros where the loss is not."""
+    parts = [x.blocks if isinstance(x, TokenMatrices) else [x] for x in inputs]
+    flat = [tensor for part in parts for tensor in part]
+    grads = torch.autograd.grad(loss, flat, allow_unused=True)
+    grads = iter(torch.zeros_like(x) if grad is None else grad for x, grad in zip(flat, grads, strict=True))
+    return [
+        x.like([next(grads) for _ in x.blocks]) if isinstance(x, TokenMatrices) else next(grads)
+        for x in inputs
+    ]
 
 
 def spans_processes(cross_process_negatives):
@@ -349,10 +367,12 @@ def spans_processes(cross_process_negatives):
 
 
 def stage_two_report(loss, rep_grads, groups, reencoded, encoded):
-    norm = float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in rep_grads])))
-    report = StepReport(loss, sum(map(len, groups)), sum(map(len, reencoded)), norm)
+    flat = torch.cat([g.flatten() for g in rep_grads])
+    report = StepReport(
+        loss, sum(map(len, groups)), sum(map(len, reencoded)), float(torch.linalg.vector_norm(flat))
+    )
     report.kept_groups, report.kept_bytes = len(encoded.kept), encoded.kept_bytes
-    finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(g).all()) for g in rep_grads)
+    finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(flat).all())
     report.skipped = any_process(not finite)  # an optimizer step on these gradients would poison the weights
     return report
 
@@ -552,6 +572,66 @@ def batch_size_of(column):
     return len(column)
 
 
+class TokenMatrices:
+    """A column of representations of several vectors a text (token matrices, ColBERT), kept chunk by chunk at
+    each chunk's padded width: `blocks[k]` (rows x width x channels) holds examples `indices[k]` of the batch.
+    Stage 1 adds a chunk's block (`cache[index] = block`), stage 3 reads its gradient block (`grads[index]`);
+    the loss gets the column as it is (padding past a chunk's longest text is never held)."""
+
+    def __init__(self, indices=(), blocks=()):
+        self.indices, self.blocks = list(indices), list(blocks)
+
+    def __setitem__(self, index, block):
+        self.indices.append(index.cpu())
+        self.blocks.append(block)
+
+    def __getitem__(self, index):
+        """The block of chunk `index` (an index tensor); or, a slice, the blocks of those rows, renumbered."""
+        if isinstance(index, slice):
+            inside = [k for k, rows in enumerate(self.indices) if index.start <= int(rows[0]) < index.stop]
+            return TokenMatrices(
+                [self.indices[k] - index.start for k in inside], [self.blocks[k] for k in inside]
+            )
+        return self.blocks[next(k for k, rows in enumerate(self.indices) if torch.equal(rows, index.cpu()))]
+
+    def __len__(self):
+        return sum(map(len, self.indices))
+
+    @property
+    def device(self):
+        return self.blocks[0].device
+
+    def like(self, blocks):
+        return TokenMatrices(self.indices, blocks)
+
+    def requires_grad_(self):
+        return self.like([block.requires_grad_() for block in self.blocks])
+
+    def flatten(self):
+        return torch.cat([block.flatten() for block in self.blocks])
+
+    def numel(self):
+        return sum(block.numel() for block in self.blocks)
+
+    def from_flat(self, flat):
+        """Blocks shaped as this one's, from a flat tensor of their values."""
+        return self.like(
+            list(map(torch.Tensor.view_as, flat.split([b.numel() for b in self.blocks]), self.blocks))
+        )
+
+    @staticmethod
+    def gathered(local):
+        """Every process's TokenMatrices in rank order, joined into one: indices offset by the rows before."""
+        shapes = torch.tensor([block.shape for block in local.blocks], device=local.device)
+        local = (local.flatten(), torch.cat(local.indices).to(local.device), shapes)
+        joined = TokenMatrices()
+        for flat, indices, shapes in zip(*map(gather_from_all_processes, local), strict=True):
+            values = flat.split(shapes.prod(dim=1).tolist())
+            joined.blocks += [v.view(*shape) for v, shape in zip(values, shapes.tolist(), strict=True)]
+            joined.indices += list((indices + len(joined)).split(shapes[:, 0].tolist()))
+        return joined
+
+
 def select_examples(column, index):
     """The examples `index` of a column, the padding no selected example uses trimmed (trailing, leading too
     when left-padded: what tokenizing the chunk's texts alone gives). Non-tensors and 0-d tensors pass."""
@@ -612,15 +692,16 @@ class RngState:
 
 # --- Between processes: the exchange of stage 2, and decisions every process takes alike ---------------
 def gather_from_all_processes(local):
-    """Every process's rows of `local` (detached), in rank order; ranks may hold different row counts."""
+    """Every process's `local` (detached), in rank order; ranks may hold different sizes in any dimension."""
     world_size = dist.get_world_size()
-    size = torch.tensor([len(local)], device=local.device)
-    sizes = [torch.empty_like(size) for _ in range(world_size)]
-    dist.all_gather(sizes, size)
-    padded = torch.cat([local, local.new_zeros(max(map(int, sizes)) - len(local), *local.shape[1:])])
+    shape = torch.tensor(local.shape, dtype=torch.int64, device=local.device)
+    shapes = [torch.empty_like(shape) for _ in range(world_size)]
+    dist.all_gather(shapes, shape)
+    padded = local.new_zeros(torch.stack(shapes).amax(dim=0).tolist())
+    padded[tuple(slice(0, n) for n in local.shape)] = local
     gathered = [torch.empty_like(padded) for _ in range(world_size)]
-    dist.all_gather(gathered, padded.contiguous())
-    return [g[: int(s)] for g, s in zip(gathered, sizes, strict=True)]
+    dist.all_gather(gathered, padded)
+    return [g[tuple(slice(0, int(n)) for n in s)] for g, s in zip(gathered, shapes, strict=True)]
 
 
 def any_process(flag):

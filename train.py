@@ -25,7 +25,7 @@ order, the step and its side data (what the loss is given), the optimizer step, 
 The parts main calls live in train_parts/, a module per job, each taking the values it uses:
     common  the one-line failure, version checks, the hub probe   models  load, prepare, save the model
     pairs   the data: records, batch order, dev set (yours here)  run     folders, checkpoints, resume
-    logs    trackers, metrics, progress line, evaluation          sparse  SPLADE's defaults and FLOPS
+    logs    trackers, metrics, progress line, evaluation          sparse, multi_vector  SPLADE's, ColBERT's
     fsdp    FSDP2: the launch checked, layer units, one reduce-scatter per optimizer step
 README.md's feature map says, for each flag, where it acts and the test that guards it.
 """
@@ -61,7 +61,7 @@ from sentence_transformers.sentence_transformer.modules import Pooling
 from tqdm.auto import tqdm
 
 import gradcache
-from train_parts import final, fsdp, logs, models, pairs, run, sparse
+from train_parts import final, fsdp, logs, models, multi_vector, pairs, run, sparse
 from train_parts.launch import launch_facts
 
 # DeepSpeed 0.19's ZeRO-3 calls torch.distributed's all_gather_into_tensor and reduce_scatter_tensor, which
@@ -637,18 +637,19 @@ def negatives_per_example(args, processes, train_data):
 
 
 def make_evaluator(args, dev_data, model, prompts, accelerator):
-    """The dev set's evaluator (pairs.build_evaluator), with the first source's prompts; a sparse encoder's
-    also counts its active dimensions (sentence-transformers' SparseInformationRetrievalEvaluator)."""
+    """The dev set's evaluator (pairs.build_evaluator), with the first source's prompts, of the model's kind:
+    a sparse encoder's counts its active dimensions, a multi-vector model's scores by MaxSim."""
     dev = (args.dev_queries, prompts[0], args.dev_corpus_size, args.seed, accelerator.print)
-    return pairs.build_evaluator(dev_data, *dev, sparse=isinstance(model, SparseEncoder))
+    return pairs.build_evaluator(dev_data, *dev, kind=sparse.model_kind(model))
 
 
 def load_model(args, sources, device="cpu", say=print):
-    """--model loaded (models.load_model), its sparse-encoder flags checked, and prepared as the flags say."""
+    """--model loaded (models.load_model), its family's flags checked, and prepared as the flags say."""
     flags = flags_of(models.ModelFlags, args)
     model = models.load_model(args.model, device, args.pooling, say, **models.model_options(flags))
     group_only = any(source.in_batch_negatives == "off" for source in sources)
     sparse.check_flags(model, flags_of(sparse.SparseFlags, args), group_only)
+    multi_vector.check_flags(model, flags_of(multi_vector.MultiVectorFlags, args), group_only)
     return models.prepare_model(model, flags)
 
 
@@ -887,6 +888,8 @@ def loss_function(source, model, penalty=None):
     if source.in_batch_negatives == "on":
         options |= dict(symmetric=source.symmetric, tile_size=source.loss_tile_size)
     contrastive = gradcache.contrastive_loss if source.in_batch_negatives == "on" else gradcache.group_loss
+    if multi_vector.is_multi_vector(model):  # MaxSim over token matrices (check_flags refused the rest)
+        contrastive, options = multi_vector.maxsim_loss, {"scale": options["scale"]}
     loss = functools.partial(contrastive, **options)
     if penalty is None:
         return loss

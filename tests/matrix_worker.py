@@ -25,6 +25,7 @@ from backend_worker import reset_accelerate_state, save_atomically
 
 NUM_STEPS = 3
 LEARNING_RATE = {"shared": 0.5, "towers": 0.5, "decoder": 0.02, "splade": 0.5, "inference-free": 0.5}
+LEARNING_RATE["colbert"] = 0.5
 # SGD: each update is the gradient; the decoder (a random Llama) diverges at 0.1, and a diverging run turns
 # rounding into large differences
 PER_PROCESS_BATCH = 8
@@ -54,7 +55,8 @@ class Row:
     chunking: str  # "size" (--chunk_size), "tokens" (--chunk_tokens), "uneven" (size, uneven batches)
     model: str  # "shared" (a BERT), "towers" (Router: query and document BERTs), "decoder" (Llama),
     # "splade" (a SparseEncoder: BERT's masked-language-model head, max pooled), "inference-free" (a
-    # SparseEncoder Router: static query weights, the SPLADE BERT for documents)
+    # SparseEncoder Router: static query weights, the SPLADE BERT for documents), "colbert" (a
+    # MultiVectorEncoder: the BERT's token vectors, MaxSim)
     loss: str  # "one-way", "symmetric", "matryoshka"
     adapter: str  # "none", "lora", "checkpointing"
     cross: bool  # --cross_process_negatives

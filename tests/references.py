@@ -15,6 +15,7 @@ chunk, a gradient scaled by 1 + 1e-4, a dropped mask entry) sits far above it, w
 control shows.
 """
 
+import contextlib
 import copy
 import dataclasses
 from collections.abc import Mapping
@@ -356,3 +357,29 @@ def reference_objective(anchor, positive, *negatives, texts, in_batch=True, symm
         assert kl.shape == (rows,) and target.shape[1] == groups
         loss = loss + distill_weight * kl.mean()
     return loss
+
+
+@contextlib.contextmanager
+def maxsim_kept_in_float64():
+    """sentence-transformers' MaxSim as it is, but for one cast: its kernel (`_maxsim_score_documents`) takes
+    the per-token maxima to float32 (to keep bf16 sums apart), which would round a float64 reference to
+    float32. Inside, the same kernel keeps its input's dtype; the loss, colbert_scores, maxsim's chunks and
+    masks around it stay sentence-transformers' own."""
+    from sentence_transformers.util import similarity
+
+    original = similarity._maxsim_score_documents
+
+    def kernel(a, b, a_mask, b_mask):
+        scores = torch.einsum("ash,bth->abst", a, b)
+        if b_mask is not None:
+            scores.masked_fill_(~b_mask.bool().unsqueeze(0).unsqueeze(2), torch.finfo(scores.dtype).min)
+        scores = scores.max(dim=-1).values
+        if a_mask is not None:
+            scores = scores * a_mask.unsqueeze(1)
+        return scores.sum(dim=-1)
+
+    similarity._maxsim_score_documents = kernel
+    try:
+        yield
+    finally:
+        similarity._maxsim_score_documents = original

@@ -229,17 +229,20 @@ def test_the_copied_template_trains_alone_without_optional_packages(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "module", ["common", "records", "launch", "pairs", "models", "run", "logs", "sparse", "final", "fsdp"]
+    "module",
+    ["common", "records", "launch", "pairs", "models", "run", "logs", "sparse", "multi_vector", "final"]
+    + ["fsdp"],
 )
 def test_the_parts_import_downward_only(module):
     """No part imports train.py, and the modules import each other downward only: common, records and
-    launch, then pairs (on records) and models, then sparse, logs, final and fsdp; run on common and
-    launch."""
+    launch, then pairs (on records), models and multi_vector, then sparse, logs, final and fsdp; run on
+    common and launch."""
     import ast
 
     below = {"common": set(), "records": set(), "launch": set(), "pairs": {"common", "records"}}
     below |= {"models": {"common"}, "run": {"common", "launch"}, "final": {"common", "models"}}
-    below |= {"sparse": {"common", "models"}, "logs": {"common", "models"}, "fsdp": {"common", "models"}}
+    below |= {"sparse": {"common", "models"}, "multi_vector": {"common"}, "fsdp": {"common", "models"}}
+    below |= {"logs": {"common", "models", "multi_vector"}}
     tree = ast.parse((REPO / "train_parts" / f"{module}.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level}
     imported |= {

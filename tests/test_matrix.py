@@ -85,7 +85,14 @@ from matrix_worker import (
     source_of_step,
     trainable_weights,
 )
-from references import Exactness, assert_inexact, exactness, reference_objective, relative_error
+from references import (
+    Exactness,
+    assert_inexact,
+    exactness,
+    maxsim_kept_in_float64,
+    reference_objective,
+    relative_error,
+)
 from test_model_flags import build_custom_code_model
 from test_train import build_tiny_model
 
@@ -93,7 +100,7 @@ DIMENSIONS = {
     "backend": ("plain", "ddp", "zero1", "zero2", "zero3", "fsdp2"),
     "processes": (1, 2, 3),
     "chunking": ("size", "tokens", "uneven"),
-    "model": ("shared", "towers", "decoder", "splade", "inference-free"),
+    "model": ("shared", "towers", "decoder", "splade", "inference-free", "colbert"),
     "loss": ("one-way", "symmetric", "matryoshka"),
     "adapter": ("none", "lora", "checkpointing"),
     "cross": (False, True),
@@ -169,6 +176,13 @@ ROWS = [Row(*fields) for fields in [
      "checkpointing", False, "in-batch", "none", 2, "all", "eager"),
     ("fsdp2", 3, "tokens", "inference-free", "symmetric",
      "lora", True, "in-batch", "masked", 1, "some", "sdpa"),
+    # the multi-vector model (ColBERT: token matrices, MaxSim): every backend, each
+    ("plain", 1, "size", "colbert", "one-way", "lora", True, "in-batch", "none", 1, "some", "sdpa"),
+    ("ddp", 2, "uneven", "colbert", "one-way", "checkpointing", True, "in-batch", "none", 2, "all", "eager"),
+    ("zero1", 3, "tokens", "colbert", "one-way", "none", False, "in-batch", "none", 1, "none", "eager"),
+    ("zero2", 2, "tokens", "colbert", "one-way",
+     "checkpointing", False, "in-batch", "none", 2, "all", "sdpa"),
+    ("zero3", 2, "uneven", "colbert", "one-way", "none", True, "in-batch", "none", 1, "none", "sdpa"),
 ]]
 # fmt: on
 MODEL_KINDS = {
@@ -177,6 +191,7 @@ MODEL_KINDS = {
     "decoder": "decoder",
     "splade": "splade",
     "inference-free": "inference-free",
+    "colbert": "colbert",
 }
 
 
@@ -196,6 +211,11 @@ def possible(values):
     if values.get("model") in SPARSE_MODELS and (values.get("loss"), values.get("negatives")) != (None, None):
         if values.get("loss") == "matryoshka" or values.get("negatives") == "group":
             return False  # train.py refuses them for a sparse encoder (check_sparse_flags)
+    if values.get("model") == "colbert" and any(
+        values.get(name) not in (None, value)
+        for name, value in (("loss", "one-way"), ("negatives", "in-batch"), ("extra", "none"))
+    ):
+        return False  # train.py refuses the rest for a multi-vector model (multi_vector.check_flags)
     if values.get("code") == "remote" and values.get("model") not in (None, "shared"):
         return False  # the model that ships its code is "shared"'s BERT (build_custom_code_model)
     return not (chunking == "uneven" and (processes == 1 or backend == "plain"))
@@ -253,7 +273,11 @@ def runs(tmp_path_factory, model_folders):
 
 
 def sentence_transformers_loss(row, model):
+    from sentence_transformers.multi_vector_encoder.losses import MultiVectorMultipleNegativesRankingLoss
     from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss, MultipleNegativesRankingLoss
+
+    if row.model == "colbert":  # MaxSim at its default scale, 1
+        return MultiVectorMultipleNegativesRankingLoss(model)
 
     if row.loss == "symmetric":
         return MultipleNegativesRankingLoss(
@@ -355,10 +379,11 @@ def reference_model(row, model_folder, dtype):
     own similarity (cosine; a sparse encoder's: dot product) is what sentence-transformers' losses score
     with. A sparse row's model loads as a SparseEncoder."""
     from peft import LoraConfig
-    from sentence_transformers import SentenceTransformer, SparseEncoder
+    from sentence_transformers import MultiVectorEncoder, SentenceTransformer, SparseEncoder
     from transformers import PreTrainedModel
 
     model_class = SparseEncoder if row.model in SPARSE_MODELS else SentenceTransformer
+    model_class = MultiVectorEncoder if row.model == "colbert" else model_class
     model = model_class(model_folder, device="cpu", trust_remote_code=row.code == "remote")
     found = [module for module in model.modules() if isinstance(module, PreTrainedModel)]
     inner = {id(sub) for module in found for sub in module.modules() if sub is not module}
@@ -412,7 +437,8 @@ def reference_run(row, model_folder, guide_folder, dtype=torch.float64, cross=No
                 model.preprocess([prompt + text for text in part["anchor"]], task="query"),
                 *(model.preprocess(part[c], task="document") for c in COLUMNS[1:] if c in part),
             ]
-            value = loss(features, labels=None)
+            with maxsim_kept_in_float64():
+                value = loss(features, labels=None)
             if isinstance(value, dict):  # SpladeLoss's terms; without its regularizers, the contrastive ones
                 value = sum(v for k, v in value.items() if regularized or not k.endswith("regularizer_loss"))
             part_losses.append(value)

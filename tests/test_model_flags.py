@@ -247,7 +247,8 @@ def test_a_cross_encoder_is_refused_in_one_line(tmp_path, capsys):
     CrossEncoder(str(tmp_path / "bert"), device="cpu").save(str(tmp_path / "cross"))
     expected = (
         r"is a CrossEncoder \(config_sentence_transformers.json\): train.py trains bi-encoders "
-        r"\(SentenceTransformer, SparseEncoder\)\. Pass one, or a transformers model with --pooling\.$"
+        r"\(SentenceTransformer, SparseEncoder, MultiVectorEncoder\)\. Pass one, or a transformers model "
+        r"with --pooling\.$"
     )
     one_line_error(capsys, lambda: models.load_model(str(tmp_path / "cross"), "cpu"), expected)
 

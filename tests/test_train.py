@@ -59,6 +59,8 @@ def build_tiny_model(folder, dropout, kind="mean"):
           "splade"  a SparseEncoder: the BERT with its masked-language-model head, SpladePooling("max")
           "inference-free"  a SparseEncoder Router: a SparseStaticEmbedding (weights drawn around 1) for the
                     queries, the SPLADE BERT for the documents
+          "colbert" a MultiVectorEncoder: the BERT, a Dense 32 -> 16 on its token embeddings, a
+                    MultiVectorMask that leaves the words w0 to w4 of the documents out, Normalize (ColBERT)
     """
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules import Router
@@ -110,6 +112,8 @@ def build_tiny_model(folder, dropout, kind="mean"):
             model = SparseEncoder(modules=[Router.for_query_document([query], document)])
         model.save(str(folder / "model"))
         return folder / "model"
+    if kind == "colbert":
+        return build_tiny_colbert(folder, transformer("bert", 0))
     pooling = Pooling(32, {"cls": "cls", "decoder": "lasttoken"}.get(kind, "mean"))
     if kind == "router":
         router = Router.for_query_document([transformer("query", 0)], [transformer("document", 1)])
@@ -118,6 +122,21 @@ def build_tiny_model(folder, dropout, kind="mean"):
         modules = [transformer("bert" if kind != "decoder" else "llama", 0), pooling]
     model = SentenceTransformer(modules=modules + ([Normalize()] if kind == "cls" else []))
     model.save(str(folder / "model"))
+    return folder / "model"
+
+
+def build_tiny_colbert(folder, transformer):
+    from sentence_transformers import MultiVectorEncoder
+    from sentence_transformers.base.modules import Dense, Normalize
+    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+
+    torch.manual_seed(3)
+    dense = Dense(
+        32, 16, bias=False, activation_function=torch.nn.Identity(), module_input_name="token_embeddings"
+    )
+    mask = MultiVectorMask(skiplist_words=[f"w{i}" for i in range(5)])
+    modules = [transformer, dense, mask, Normalize(module_input_name="token_embeddings")]
+    MultiVectorEncoder(modules=modules).save(str(folder / "model"))
     return folder / "model"
 
 

@@ -17,10 +17,12 @@ import psutil
 import torch
 import yaml
 from accelerate.utils import broadcast_object_list, is_wandb_available
+from sentence_transformers.multi_vector_encoder.evaluation import MultiVectorInformationRetrievalEvaluator
 from sentence_transformers.sparse_encoder.evaluation import SparseInformationRetrievalEvaluator
 
 from .common import fail, unreachable
 from .models import gathered_parameters
+from .multi_vector import gather_token_matrices
 
 # fmt: off
 __all__ = [
@@ -216,15 +218,19 @@ def evaluate(evaluator, model, accelerator, global_step):
 def split_between_processes(evaluator, accelerator):
     """sentence-transformers' evaluator, its texts (the queries, each chunk of the corpus) encoded once: each
     process encodes an equal share (the last padded with repeats: under ZeRO-3 every process must run as
-    many forward passes), the embeddings gathered in order, the metrics its own. One process, or a sparse
-    encoder (its evaluator counts active dimensions as it encodes, on sparse CPU tensors): unchanged."""
+    many forward passes), the embeddings gathered in order (a multi-vector model's token matrices with
+    their lengths), the metrics its own. One process, or a sparse encoder (its evaluator counts active
+    dimensions as it encodes, on sparse CPU tensors): unchanged."""
     embed_inputs = evaluator.embed_inputs
+    gather = (
+        gather_token_matrices if isinstance(evaluator, MultiVectorInformationRetrievalEvaluator) else None
+    )
 
     def embed_share(model, texts, **kwargs):
         share = -(-len(texts) // accelerator.num_processes)
         mine = list(texts[accelerator.process_index * share :][:share])
         mine += texts[: share - len(mine)]  # the repeats: dropped after the gather
-        return accelerator.gather(embed_inputs(model, mine, **kwargs))[: len(texts)]
+        return (gather or accelerator.gather)(embed_inputs(model, mine, **kwargs))[: len(texts)]
 
     shared = accelerator.num_processes > 1 and not isinstance(evaluator, SparseInformationRetrievalEvaluator)
     evaluator.embed_inputs = embed_share if shared else embed_inputs

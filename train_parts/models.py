@@ -13,7 +13,7 @@ from pathlib import Path
 
 import huggingface_hub
 import torch
-from sentence_transformers import SentenceTransformer, SparseEncoder
+from sentence_transformers import MultiVectorEncoder, SentenceTransformer, SparseEncoder
 from sentence_transformers.base.modules import Router
 from sentence_transformers.sentence_transformer.modules import Pooling
 from sentence_transformers.util import load_file_path
@@ -27,7 +27,7 @@ from .common import fail, hub_out_of_reach, is_hub_name
 __all__ = [
     "ModelFlags", "locate_model", "load_model", "model_options", "prepare_model", "transformers_models",
     "load_guide", "role_prompts", "tokenize", "role_task", "training_module", "Towers", "is_router",
-    "gathered_parameters", "check_tokenizers",
+    "gathered_parameters", "check_tokenizers", "representation",
 ]
 # fmt: on
 
@@ -72,7 +72,7 @@ def locate_model(name):
 
 
 def load_model(name, device, pooling=None, say=print, flag="--model", **options):
-    """--model as a SentenceTransformer, or as a SparseEncoder where it was saved as one: a folder, or a hub
+    """--model as the class it was saved as (MODEL_CLASSES; else a SentenceTransformer): a folder, or a hub
     name (from the local cache alone when the hub is out of reach). A transformers model without
     sentence-transformers' modules.json pools as --pooling says: it is refused without it, never pooled by
     a silent guess. `options`: SentenceTransformer's keywords (model_options); `flag` names it in errors."""
@@ -91,7 +91,7 @@ def load_model(name, device, pooling=None, say=print, flag="--model", **options)
         if pooling and not plain:
             fail(f"--pooling {pooling}: --model {name} pools as its modules.json says. Drop --pooling.")
         kind = check_loadable(name, source, local_only, options.get("trust_remote_code", False), flag)
-        model_class = SparseEncoder if kind == "SparseEncoder" else SentenceTransformer  # as it was saved
+        model_class = MODEL_CLASSES.get(kind, SentenceTransformer)  # as it was saved
         model = model_class(source, device=device, local_files_only=local_only, **options)
     except OSError as err:
         fail(f"{flag} {name} could not be loaded ({err}).")
@@ -103,6 +103,10 @@ def load_model(name, device, pooling=None, say=print, flag="--model", **options)
         model[index] = Pooling(model[index].embedding_dimension, pooling)
         say(f"train.py: --model {name}: {pooling} pooling (--pooling), saved in final/")
     return model
+
+
+# The classes a model folder says it is (config_sentence_transformers.json's model_type) that train.py trains.
+MODEL_CLASSES = {cls.__name__: cls for cls in (SentenceTransformer, SparseEncoder, MultiVectorEncoder)}
 
 
 def check_tokenizers(model, named):
@@ -129,7 +133,7 @@ def model_options(flags):
 
 
 def check_loadable(name, source, local_only, trust_remote_code, flag="--model"):
-    """The class --model was saved as (SentenceTransformer, SparseEncoder). Stop in one line, before
+    """The class --model was saved as (MODEL_CLASSES). Stop in one line, before
     loading, where it is another (sentence-transformers would rebuild a CrossEncoder as a mean-pooled
     bi-encoder of its base, silently), or ships code of its own (a module class, an auto_map) without
     --trust_remote_code."""
@@ -139,10 +143,10 @@ def check_loadable(name, source, local_only, trust_remote_code, flag="--model"):
         return json.loads(Path(path).read_text()) if path else {}
 
     kind = read("config_sentence_transformers.json").get("model_type", "SentenceTransformer")
-    if kind not in ("SentenceTransformer", "SparseEncoder"):
+    if kind not in MODEL_CLASSES:
         fail(
             f"{flag} {name} is a {kind} (config_sentence_transformers.json): train.py trains bi-encoders "
-            "(SentenceTransformer, SparseEncoder). Pass one, or a transformers model with --pooling."
+            f"({', '.join(MODEL_CLASSES)}). Pass one, or a transformers model with --pooling."
         )
     for module in read("modules.json") or [{"path": "", "type": "sentence_transformers"}]:
         folder = f"{module['path']}/" if module["path"] else ""
@@ -170,7 +174,7 @@ def prepare_model(model, flags):
         )
     if flags.similarity:
         model.similarity_fn_name = {"cos": "cosine", "dot": "dot"}[flags.similarity]
-    elif model.similarity_fn_name not in ("cosine", "dot"):
+    elif model.similarity_fn_name not in ("cosine", "dot") and not isinstance(model, MultiVectorEncoder):
         fail(
             f"--model scores by {model.similarity_fn_name} similarity; the loss scores by cosine or dot "
             "product: pass --similarity cos or --similarity dot (the saved model will use it too)."
@@ -284,12 +288,14 @@ def training_module(model, sources):
     """What accelerate wraps for training: Towers for a Router model, and for any model when a source
     (`source_settings`) has no in-batch negatives (its chunks of rows encode every column before one
     backward); the model itself otherwise."""
-    grouped = is_router(model) or any(source.in_batch_negatives == "off" for source in sources)
+    grouped = is_router(model) or isinstance(model, MultiVectorEncoder)
+    grouped = grouped or any(source.in_batch_negatives == "off" for source in sources)
     return Towers(model) if grouped else model
 
 
 class Towers(torch.nn.Module):
-    """A model (a Router's query and document towers) encoding one group of chunks in one forward.
+    """A model (a Router's query and document towers; a multi-vector model, whose masks differ for queries)
+    encoding one group of chunks in one forward, each chunk's `representation`.
 
     gradcache back-propagates one chunk of every column together, so every backward reaches both towers (as
     ZeRO-3 needs). DDP with find_unused_parameters reads the parameters a backward will reach from the output
@@ -303,9 +309,18 @@ class Towers(torch.nn.Module):
 
     def forward(self, inputs, columns):  # column 0 holds the anchors, the queries
         return [
-            self.model(features, task="query" if c == 0 else "document")["sentence_embedding"]
+            representation(self.model(features, task="query" if c == 0 else "document"))
             for features, c in zip(inputs, columns, strict=True)
         ]
+
+
+def representation(output):
+    """What gradcache caches of a text: its embedding, or a multi-vector model's token matrix with its scoring
+    mask (MultiVectorMask's: padding and skip-list words out) as a last channel."""
+    if "sentence_embedding" in output:
+        return output["sentence_embedding"]
+    vectors = output["token_embeddings"]
+    return torch.cat([vectors, output["attention_mask"][..., None].to(vectors.dtype)], dim=-1)
 
 
 def is_router(model):

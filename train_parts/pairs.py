@@ -38,6 +38,7 @@ import numpy
 import pandas
 import torch
 from sentence_transformers.base.sampler import NoDuplicatesBatchSampler
+from sentence_transformers.multi_vector_encoder.evaluation import MultiVectorInformationRetrievalEvaluator
 from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 from sentence_transformers.sparse_encoder.evaluation import SparseInformationRetrievalEvaluator
 
@@ -666,9 +667,9 @@ def load_beir(folder, split, say=print):
     return queries, corpus, {query_id: relevant[query_id] for query_id in queries}
 
 
-def build_evaluator(dev, num_queries, prompts=None, corpus_size=0, seed=42, say=print, sparse=False):
-    """Retrieve each query's relevant documents among the corpus, scored by sentence-transformers (`sparse`:
-    its SparseInformationRetrievalEvaluator), for the first `num_queries` queries (0: all) of `dev`: pairs
+def build_evaluator(dev, num_queries, prompts=None, corpus_size=0, seed=42, say=print, kind="dense"):
+    """Retrieve each query's relevant documents among the corpus, scored by sentence-transformers' evaluator
+    of the model's `kind` (EVALUATORS), for the first `num_queries` queries (0: all) of `dev`: pairs
     (pairs_retrieval) or load_beir's. The corpus: all, or `corpus_size` N: relevant documents, N drawn."""
     queries, corpus, relevant_docs = dev if isinstance(dev, tuple) else pairs_retrieval(dev)
     kept, prompts = list(queries)[: num_queries or None], prompts or {}
@@ -679,8 +680,7 @@ def build_evaluator(dev, num_queries, prompts=None, corpus_size=0, seed=42, say=
         corpus = {doc_id: text for doc_id, text in corpus.items() if doc_id in relevant or doc_id in drawn}
     part = f"{len(relevant)} relevant + {len(drawn)} drawn" if drawn else "all"
     say(f"train.py: dev set: {len(kept)} queries against {len(corpus)} documents ({part} of {whole})")
-    evaluator = SparseInformationRetrievalEvaluator if sparse else InformationRetrievalEvaluator
-    return evaluator(
+    return EVALUATORS[kind](
         queries={query_id: queries[query_id] for query_id in kept}, corpus=corpus,
         relevant_docs={query_id: relevant_docs[query_id] for query_id in kept}, mrr_at_k=[10], ndcg_at_k=[10],
         accuracy_at_k=[1, 10], precision_recall_at_k=[1, 10], map_at_k=[10], batch_size=128, name="dev",
@@ -688,6 +688,13 @@ def build_evaluator(dev, num_queries, prompts=None, corpus_size=0, seed=42, say=
         # "" for none: given None, the evaluator falls back to the model's prompt, which training leaves out
         query_prompt=prompts.get("query") or "", corpus_prompt=prompts.get("document") or "",
     )  # fmt: skip
+
+
+EVALUATORS = {
+    "dense": InformationRetrievalEvaluator,
+    "sparse": SparseInformationRetrievalEvaluator,  # it counts the active dimensions too
+    "multi-vector": MultiVectorInformationRetrievalEvaluator,  # MaxSim over token matrices
+}
 
 
 def pairs_retrieval(dev):

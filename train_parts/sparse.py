@@ -1,17 +1,19 @@
 """Sparse encoders (SPLADE, inference-free): the defaults that depend on the model, the flags that do not fit
 it, and the FLOPS regularizers added to the contrastive loss.
 
-Flags served: --sparse_query_weight, --sparse_document_weight, --sparse_warmup_ratio, and the --scale default.
+Flags served: --sparse_query_weight, --sparse_document_weight, --sparse_warmup_ratio, and the --scale default
+(every model family's).
 """
 
 import dataclasses
 
-from sentence_transformers import SparseEncoder
+from sentence_transformers import MultiVectorEncoder, SparseEncoder
 
 from .common import fail
 from .models import transformers_models
 
-__all__ = ["SparseFlags", "SPARSE_DEFAULTS", "model_default", "check_flags", "SparsityPenalty", "flops"]
+__all__ = ["SparseFlags", "SPARSE_DEFAULTS", "model_default", "model_kind", "check_flags", "SparsityPenalty"]
+__all__ += ["flops"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,17 +30,24 @@ class SparseFlags:
 
 
 # The defaults of the flags that depend on the model (None): sentence-transformers' SpladeLoss's weights and
-# warm-up, and the scale of its SparseMultipleNegativesRankingLoss (dot products of unnormalized weights).
+# warm-up, and the scale of its SparseMultipleNegativesRankingLoss (dot products of unnormalized weights) and
+# of MultiVectorMultipleNegativesRankingLoss (MaxSim, a sum over the query's tokens); 20 for cosine.
 SPARSE_DEFAULTS = {"sparse_query_weight": 5e-5, "sparse_document_weight": 3e-5, "sparse_warmup_ratio": 1 / 3}
-SCALE_DEFAULT = {"dense": 20.0, "sparse": 1.0}
+SCALE_DEFAULT = {"dense": 20.0, "sparse": 1.0, "multi-vector": 1.0}
 
 
 def model_default(flags, name, model):
     """--name as given, or its default for this model (SPARSE_DEFAULTS, SCALE_DEFAULT)."""
     if (value := getattr(flags, name)) is not None:
         return value
-    sparse = isinstance(model, SparseEncoder)
-    return SCALE_DEFAULT["sparse" if sparse else "dense"] if name == "scale" else SPARSE_DEFAULTS[name]
+    return SCALE_DEFAULT[model_kind(model)] if name == "scale" else SPARSE_DEFAULTS[name]
+
+
+def model_kind(model):
+    """How it scores and evaluates: "sparse" (SparseEncoder), "multi-vector" (MultiVectorEncoder), "dense"."""
+    if isinstance(model, (SparseEncoder, MultiVectorEncoder)):
+        return "sparse" if isinstance(model, SparseEncoder) else "multi-vector"
+    return "dense"
 
 
 def check_flags(model, flags, group_only=False):
