@@ -3,10 +3,11 @@
 A random BERT-base (12 layers, hidden 768, MiniLM's vocabulary: about 110M parameters) built in code, big
 enough that its weights, gradients and AdamW state (16 bytes a parameter unsharded) dominate the small
 batch's activations. Each point launches `train.py` with the backend's config from accelerate_configs/ at 2
-and 4 processes, the same global batch and chunk, two AdamW steps, and reads the largest peak resident set
-of the launch's processes (getrusage of the waited-for children, in a fresh wrapper process per launch). On
-CPU, FSDP2 runs through tests/fsdp_shim.py (accelerate picks FSDP only on accelerators), as the tests run
-it.
+and 4 processes, the same global batch and chunk, two AdamW steps, and reads what the largest process holds
+after the steps (train.py's logged memory/rss_gib) and the largest peak resident set of the whole launch,
+loading and the final gathering included (getrusage of the waited-for children, in a fresh wrapper process
+per launch). On CPU, FSDP2 runs through tests/fsdp_shim.py (accelerate picks FSDP only on accelerators), as
+the tests run it.
 
     python bench/sharding_memory.py                  # CPU: 6 launches, about 10 min on 2 busy cores
     python bench/sharding_memory.py --preset smoke   # a 2-layer model, 2 processes: a minute
@@ -25,6 +26,7 @@ import harness
 
 REPO = Path(__file__).resolve().parents[1]
 BACKENDS = {"ddp": "cpu_ddp_2proc.yaml", "zero3": "deepspeed_zero3.yaml", "fsdp2": "fsdp2.yaml"}
+RUNS_AS = {"ddp": "MULTI_CPU", "zero3": "DEEPSPEED", "fsdp2": "FSDP"}  # what train.py must report
 PRESETS = {
     "cpu": {"layers": 12, "processes": [2, 4], "batch_size": 32, "chunk_size": 8},
     "smoke": {"layers": 2, "processes": [2], "batch_size": 8, "chunk_size": 4},
@@ -62,8 +64,9 @@ def write_pairs(path: Path, rows: int) -> Path:
     return path
 
 
-def environment(folder: Path) -> dict:
-    """CPU processes, one thread each; the FSDP shim on the path for FSDP2 (tests/fsdp_shim.py)."""
+def environment(folder: Path, backend: str) -> dict:
+    """CPU processes, one thread each; the FSDP shim on the path for FSDP2 (tests/fsdp_shim.py).
+    ACCELERATE_USE_CPU for DDP and FSDP2 alone: with it, accelerate runs a DeepSpeed config as plain DDP."""
     site = folder / "site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text("import fsdp_shim\n\nfsdp_shim.install()\n")
@@ -71,10 +74,13 @@ def environment(folder: Path) -> dict:
     extensions = REPO / ".cache" / "torch_extensions"  # setup.sh --dev builds DeepSpeed's CPU ops here
     return os.environ | {
         "PYTHONPATH": path,
-        "ACCELERATE_USE_CPU": "true",
+        "ACCELERATE_USE_CPU": str(backend != "zero3").lower(),
         "CUDA_VISIBLE_DEVICES": "",
         "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": "1",
+        # glibc otherwise raises its mmap threshold as big blocks are freed, keeping freed tensors resident:
+        # fixed, every tensor over 64 KiB is mapped alone and unmapped when freed, so RSS follows the tensors.
+        "MALLOC_MMAP_THRESHOLD_": "65536",
         **({"TORCH_EXTENSIONS_DIR": str(extensions)} if extensions.exists() else {}),
     }
 
@@ -86,12 +92,24 @@ def peak_of_launch(backend, processes, model, data, folder, args) -> int:
     command += ["--num_processes", str(processes), str(REPO / "train.py"), "--output_dir", str(output)]
     command += ["--model", str(model), "--data", str(data), "--dev_data", "", "--max_steps", "2"]
     command += ["--batch_size", str(args.batch_size), "--chunk_size", str(args.chunk_size)]
-    command += ["--wandb_mode", "disabled"]
-    done = subprocess.run(command, env=environment(folder), cwd=REPO, capture_output=True, text=True)
+    command += ["--wandb_mode", "disabled", "--log_steps", "1"]
+    done = subprocess.run(command, env=environment(folder, backend), cwd=REPO, capture_output=True, text=True)
     peak = [line.split() for line in done.stdout.splitlines() if line.startswith("PEAK")]
     if not peak or peak[-1][2] != "0":
         raise SystemExit(f"{backend} x {processes} failed:\n{(done.stdout + done.stderr)[-4000:]}")
-    return int(peak[-1][1])
+    if f"distributed_type: DistributedType.{RUNS_AS[backend]}\n" not in done.stdout:
+        raise SystemExit(f"{backend} x {processes} did not run as {RUNS_AS[backend]}:\n{done.stdout[-4000:]}")
+    return int(peak[-1][1]), resident_after_training(output)
+
+
+def resident_after_training(output: Path) -> int:
+    """The resident set train.py logs after the last step (memory/rss_gib, the largest process's): what a
+    process holds while training, without the loading and the final gathering around it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(output / "tensorboard" / "gradcache"))
+    events.Reload()
+    return int(events.Scalars("memory/rss_gib")[-1].value * 2**30)
 
 
 def measure(args):
@@ -102,25 +120,39 @@ def measure(args):
         data = write_pairs(folder / "pairs.jsonl", 4 * args.batch_size)
         for processes in args.processes:
             for backend in BACKENDS:
-                peak = peak_of_launch(backend, processes, folder / "model", data, folder, args)
-                points.append({"backend": backend, "processes": processes, "peak_bytes": peak})
-                print(f"{backend} x {processes}: peak {peak / 2**30:.2f} GiB", flush=True)
+                peak, held = peak_of_launch(backend, processes, folder / "model", data, folder, args)
+                points.append(
+                    {"backend": backend, "processes": processes, "peak_bytes": peak, "held_bytes": held}
+                )
+                print(
+                    f"{backend} x {processes}: peak {peak / 2**30:.2f} GiB, held {held / 2**30:.2f}",
+                    flush=True,
+                )
     return {"parameters": parameters, "points": points}
 
 
-def ratio_to_ddp(results, point):
+def ratio_to_ddp(results, point, key):
     ddp = next(p for p in results["points"] if p["processes"] == point["processes"] and p["backend"] == "ddp")
-    return point["peak_bytes"] / ddp["peak_bytes"]
+    return point[key] / ddp[key]
 
 
 def table(results, args) -> str:
     """Peak per process, and its ratio to DDP's at the same number of processes."""
     state = results["parameters"] * 16 / 2**30  # fp32 weights, gradients, AdamW's two moments
     rows = [
-        [p["processes"], p["backend"], f"{p['peak_bytes'] / 2**30:.2f}", f"{ratio_to_ddp(results, p):.2f}x"]
+        [p["processes"], p["backend"]]
+        + [
+            f"{p[key] / 2**30:.2f} ({ratio_to_ddp(results, p, key):.2f}x)"
+            for key in ("held_bytes", "peak_bytes")
+        ]
         for p in results["points"]
     ]
-    header = ["processes", "backend", "peak per process (GiB)", "vs DDP"]
+    header = [
+        "processes",
+        "backend",
+        "held after the steps, GiB (vs DDP)",
+        "peak of the whole run, GiB (vs DDP)",
+    ]
     return (
         f"{results['parameters'] / 1e6:.1f}M parameters: {state:.2f} GiB of fp32 weights, gradients and "
         f"AdamW state unsharded; global batch {args.batch_size}, chunks of {args.chunk_size}, two steps.\n\n"
