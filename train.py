@@ -62,7 +62,7 @@ from tqdm.auto import tqdm
 
 import gradcache
 from train_parts import final, fsdp, logs, models, multi_vector, pairs, run, sparse
-from train_parts.launch import launch_facts
+from train_parts.launch import check_deepspeed_runs, launch_facts
 
 # DeepSpeed 0.19's ZeRO-3 calls torch.distributed's all_gather_into_tensor and reduce_scatter_tensor, which
 # torch 2.13 deprecates: a FutureWarning at nearly every call (100 in an 8-step run), about DeepSpeed's code,
@@ -572,6 +572,7 @@ def make_accelerator(args):
             "accelerate_configs/cpu_ddp_2proc.yaml)."
         )
     fsdp.check_launch(accelerator)  # FSDP2 only, and FSDP where accelerate runs it (not on CPUs)
+    check_deepspeed_runs(accelerator)  # DeepSpeed where accelerate runs it (not with ACCELERATE_USE_CPU)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         check_deepspeed(args)
     return accelerator

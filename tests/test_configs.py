@@ -15,6 +15,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DeepSpeedPlugin, DistributedType
 from references import assert_exact, assert_inexact, relative_error
 from test_train import free_port
+from test_train import launch as launch_train
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"
@@ -246,3 +247,19 @@ def test_multi_node_as_two_nodes_on_localhost(probe):
         outputs = [node.communicate()[0][-3000:] for node in nodes]
         pytest.fail(f"a node did not exit within 300 s; node 0:\n{outputs[0]}\nnode 1:\n{outputs[1]}")
     check_ranks(output, f"num_processes=2 type=MULTI_CPU {FP32}", 2)
+
+
+def test_a_deepspeed_config_that_accelerate_runs_as_ddp_stops_in_one_line(
+    tmp_path, data, model_without_dropout
+):
+    """ACCELERATE_USE_CPU (cpu_ddp_2proc.yaml's variable, left in a job's shell) turns a DeepSpeed config into
+    plain DDP inside accelerate: the run stops before training, naming the variable."""
+    done = launch_train(
+        CONFIGS / "deepspeed_zero2.yaml", tmp_path, "--model", model_without_dropout, "--data", data[0],
+        "--max_steps", 1, "--wandb_mode", "disabled",
+        processes=2, env={"ACCELERATE_USE_CPU": "true"}, check=False,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "a DeepSpeed accelerate config, but accelerate runs these processes as MULTI_CPU" in done.stderr
+    assert "ACCELERATE_USE_CPU=true turns DeepSpeed off" in done.stderr
+    assert not (tmp_path / "checkpoints").exists()

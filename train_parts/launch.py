@@ -3,10 +3,30 @@
 resume's launch must be the checkpoint's.
 
 Flags served: none of train.py's; the accelerate config's mixed_precision, distributed_type, the DeepSpeed
-config's zero_stage and num_processes.
+config's zero_stage and num_processes. A DeepSpeed config that accelerate would not run as DeepSpeed stops.
 """
 
-__all__ = ["launch_facts", "launch_differences"]
+import os
+
+from accelerate import DistributedType
+
+from .common import fail
+
+__all__ = ["check_deepspeed_runs", "launch_facts", "launch_differences"]
+
+
+def check_deepspeed_runs(accelerator):
+    """A DeepSpeed config that accelerate runs as something else stops in one line: with ACCELERATE_USE_CPU
+    set (cpu_ddp_2proc.yaml's variable, left in a job's shell), accelerate runs its processes as plain DDP."""
+    asked = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if asked and accelerator.distributed_type != DistributedType.DEEPSPEED:
+        fail(
+            "a DeepSpeed accelerate config, but accelerate runs these processes as "
+            f"{accelerator.distributed_type.value}: ACCELERATE_USE_CPU="
+            f"{os.environ.get('ACCELERATE_USE_CPU', '(unset)')} turns DeepSpeed off. Unset "
+            "ACCELERATE_USE_CPU (DeepSpeed runs on CPUs with DS_ACCELERATOR=cpu), or launch "
+            "cpu_ddp_2proc.yaml for DDP."
+        )
 
 
 def launch_facts(accelerator):
