@@ -183,6 +183,7 @@ ROWS = [Row(*fields) for fields in [
     ("zero2", 2, "tokens", "colbert", "one-way",
      "checkpointing", False, "in-batch", "none", 2, "all", "sdpa"),
     ("zero3", 2, "uneven", "colbert", "one-way", "none", True, "in-batch", "none", 1, "none", "sdpa"),
+    ("fsdp2", 2, "tokens", "colbert", "one-way", "lora", True, "in-batch", "none", 1, "some", "sdpa"),
 ]]
 # fmt: on
 MODEL_KINDS = {
