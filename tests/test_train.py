@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import datasets
 import numpy
 import pytest
 import torch
@@ -259,6 +260,30 @@ def reference_runs(tmp_path_factory, data, model_without_dropout):
 # ---------------------------------------------------------------------------------------------------------
 
 
+def test_a_large_dev_corpus_shows_its_encoding_on_the_main_process(tmp_path, capsys):
+    """A 50,000-document evaluation printed nothing for minutes: from logs.PROGRESS_CORPUS documents on,
+    sentence-transformers' own bars show the queries and the corpus encoded; a small dev set stays quiet."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from sentence_transformers import SentenceTransformer
+
+    from train_parts import logs
+
+    model = SentenceTransformer(str(build_tiny_model(tmp_path, dropout=0.0)), device="cpu")
+    accelerator = Accelerator(cpu=True)
+    try:
+        for documents, shown in ((logs.PROGRESS_CORPUS, True), (logs.PROGRESS_CORPUS - 1, False)):
+            texts = [f"w{i}" for i in range(documents)]
+            dev = datasets.Dataset.from_dict({"anchor": texts, "positive": texts})
+            evaluator = pairs.build_evaluator(dev, 2, say=len)  # 2 queries against every positive
+            metrics = logs.evaluate(evaluator, model, accelerator, global_step=0)
+            assert ("Corpus Chunks" in capsys.readouterr().err) == shown, documents
+            assert metrics["memory/peak_rss_gib"] > 0
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
 def test_end_to_end_run_logs_saves_and_resumes_exactly(
     tmp_path, data, model_with_dropout, monkeypatch, capsys
 ):
@@ -281,6 +306,14 @@ def test_end_to_end_run_logs_saves_and_resumes_exactly(
     assert {value for _, value in logged["train/chunk_size"]} == {3}
     for tag in ("train/loss", "train/grad_norm", "train/examples_per_second", "memory/rss_gib"):
         assert all(value > 0 and value < float("inf") for _, value in logged[tag]), tag
+    # The high-water mark, logged by every evaluation too (the one before training included) and by training:
+    # never falling, never below the resident size logged with it (within the kernel's lazily summed
+    # per-thread page counts, which the two readings take at different moments).
+    peaks = logged["memory/peak_rss_gib"]
+    assert [step for step, _ in peaks] == [0, 1, 2, 3, 3, 4, 5, 6, 6]
+    assert [value for _, value in peaks] == sorted(value for _, value in peaks)
+    rss = logged["memory/rss_gib"]
+    assert all(max(v for s, v in peaks if s == step) >= value - 2**-8 for step, value in rss), (peaks, rss)
     for tag in ("train/tokens_per_second", "train/loss_dim_32", "train/loss_dim_16"):
         assert [step for step, value in logged[tag] if 0 < value < float("inf")] == [1, 2, 3, 4, 5, 6], tag
     for tag in (

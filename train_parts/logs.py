@@ -7,8 +7,10 @@ in a loss's `stats` are logged as train/<name> with no list to edit.
 
 import contextlib
 import dataclasses
+import functools
 import netrc
 import os
+import resource
 import time
 import urllib.parse
 from pathlib import Path
@@ -133,20 +135,28 @@ class LogWindow:
         return self.steps * effective_batch_size / self.seconds
 
 
+def reduced(accelerator, values, reduction):
+    """{name: number} reduced over the processes ("sum", "mean", "max") in one all-reduce."""
+    tensors = {name: torch.tensor(float(value), dtype=torch.float64, device=accelerator.device)
+               for name, value in values.items()}  # fmt: skip
+    return {name: value.item() for name, value in accelerator.reduce(tensors, reduction).items()}
+
+
+def peak_rss_gib():
+    """The process's resident high-water mark since it started (the kernel's ru_maxrss, KiB on Linux): it
+    holds the evaluation's peak too, which the resident size read at a log misses."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def log_training(accelerator, progress, window, derived, batches_per_epoch, loss_scale=None, **values):
     """The training metrics of the window, with `values` as train/<name>, to TensorBoard and wandb."""
-
-    def reduced(values, reduction):  # over the processes: one all-reduce
-        tensors = {name: torch.tensor(float(value), dtype=torch.float64, device=accelerator.device)
-                   for name, value in values.items()}  # fmt: skip
-        return {name: value.item() for name, value in accelerator.reduce(tensors, reduction).items()}
-
+    reduce = functools.partial(reduced, accelerator)
     means = {f"train/{name}": total / window.counts[name] for name, total in window.sums.items()}
-    tokens = reduced({"tokens": window.sums.get("tokens", 0)}, "sum")["tokens"]  # of every process
+    tokens = reduce({"tokens": window.sums.get("tokens", 0)}, "sum")["tokens"]  # of every process
     metrics = {
         "train/global_step": progress.global_step,
         "train/epoch": progress.epoch + progress.batches_done / batches_per_epoch,
-        **reduced(means, "mean"),  # per batch; each process's batch counts alike
+        **reduce(means, "mean"),  # per batch; each process's batch counts alike
         "train/effective_batch_size": derived["effective_batch_size"],
         "train/examples_per_second": window.examples_per_second(derived["effective_batch_size"]),
         "train/tokens_per_second": tokens / window.seconds,
@@ -156,12 +166,15 @@ def log_training(accelerator, progress, window, derived, batches_per_epoch, loss
     grad_norm = values.pop("grad_norm")  # None: the step applied no update
     values["grad_norm"] = float("nan") if grad_norm is None else float(grad_norm)
     metrics |= {f"train/{name}": value for name, value in values.items()}
-    memory = {"memory/rss_gib": psutil.Process().memory_info().rss / 2**30}
+    memory = {
+        "memory/rss_gib": psutil.Process().memory_info().rss / 2**30,
+        "memory/peak_rss_gib": peak_rss_gib(),
+    }
     if accelerator.device.type == "cuda":  # the peaks since the last log
         memory["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated(accelerator.device) / 2**30
         memory["memory/max_reserved_gib"] = torch.cuda.max_memory_reserved(accelerator.device) / 2**30
         torch.cuda.reset_peak_memory_stats(accelerator.device)
-    metrics |= reduced(memory, "max")  # the process that needs the most
+    metrics |= reduce(memory, "max")  # the process that needs the most
     if loss_scale is not None:
         metrics["train/loss_scale"] = float(loss_scale)
     accelerator.log(metrics, step=progress.global_step)
@@ -194,6 +207,11 @@ def warn_if_masking_much(say, stats, step, threshold, mask_flags):
     return True
 
 
+# A dev corpus from this size on takes minutes to encode on a CPU: sentence-transformers' own bars (queries,
+# corpus chunks) show it moving, on the main process.
+PROGRESS_CORPUS = 10_000
+
+
 def evaluate(evaluator, model, accelerator, global_step):
     """Score the dev split, log it (with its time, eval/seconds) and, after training started, print it.
 
@@ -203,11 +221,13 @@ def evaluate(evaluator, model, accelerator, global_step):
     tensors, which training cannot back-propagate through.
     """
     started = time.perf_counter()
+    evaluator.show_progress_bar = accelerator.is_main_process and len(evaluator.corpus) >= PROGRESS_CORPUS
     with gathered_parameters(model), split_between_processes(evaluator, accelerator):
         metrics = evaluator(model)  # encode switches to eval mode
     model.train()
     metrics = {f"eval/{name}": value for name, value in metrics.items()}
     metrics["eval/seconds"] = time.perf_counter() - started
+    metrics |= reduced(accelerator, {"memory/peak_rss_gib": peak_rss_gib()}, "max")
     accelerator.log(metrics | {"train/global_step": global_step}, step=global_step)
     if global_step:
         accelerator.print(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
