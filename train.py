@@ -1147,6 +1147,11 @@ def finish(accelerator, model, args, sources, prompts, first_eval, last_eval, tr
 
 # ---- Memory: the stage-1 graphs kept (--graph_budget); a chunk that does not fit stops the run naming the
 # ---- chunk to relaunch with, or with --auto_chunk_size is halved and the batch redone
+# The budget bounds the kept graphs' saved tensors (the first group's measured, scaled by tokens); a CPU
+# process's resident peak also holds memory the forwards freed, which glibc's allocator keeps resident.
+CPU_BUDGET_NOTE = ". On a CPU the resident peak grows by more than that: memory/peak_rss_gib logs it."
+
+
 class GraphBudget:
     """--graph_budget: the bytes of stage-1 graphs a step keeps (gradcache_step's graph_budget), those groups
     not encoded twice. none: the last group's only, as Gradient Cache was published; 0: none; N (MiB); auto:
@@ -1167,10 +1172,11 @@ class GraphBudget:
         """Says once what the first step kept; under auto on a GPU, the next step's budget."""
         if not self.said:
             budget = "the last group" if self.bytes is None else f"{self.bytes / 2**20:.0f} MiB"
+            measured = f", {report.kept_bytes / 2**20:.3g} MiB of saved tensors" if report.kept_bytes else ""
             self.accelerator.print(
                 f"train.py: --graph_budget {self.spec} ({budget}): the first step kept the graphs of "
-                f"{report.kept_groups} group(s); {report.num_reencoded} of its {report.num_chunks} chunks "
-                "were encoded twice"
+                f"{report.kept_groups} group(s){measured}; {report.num_reencoded} of its {report.num_chunks} "
+                "chunks were encoded twice" + ("" if self.cuda or not measured else CPU_BUDGET_NOTE)
             )
             self.said = True
         if self.spec == "auto" and self.cuda:

@@ -287,6 +287,8 @@ def test_a_run_says_its_graph_budget_and_logs_the_groups_kept(
     said = out.split("the first step kept the graphs of ")[1].split("\n")[0]
     kept, chunks = int(said.split(" ")[0]), int(said.split("of its ")[1].split(" ")[0])
     assert kept == chunks > 1 and "; 0 of its" in said  # every chunk its own group: none encoded twice
+    measured = float(said.split("group(s), ")[1].split(" MiB of saved tensors")[0])
+    assert measured > 0 and "memory/peak_rss_gib logs it" in said  # what was kept; a CPU peak: more
     assert [value for _, value in logged_scalars(tmp_path / "all")["train/kept_groups"]] == [kept, kept]
 
 
