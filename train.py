@@ -62,7 +62,7 @@ from tqdm.auto import tqdm
 
 import gradcache
 from train_parts import final, fsdp, logs, models, multi_vector, pairs, run, sparse
-from train_parts.launch import check_deepspeed_runs, launch_facts
+from train_parts.launch import check_deepspeed_runs, launch_facts, main_process_first
 
 # DeepSpeed 0.19's ZeRO-3 calls torch.distributed's all_gather_into_tensor and reduce_scatter_tensor, which
 # torch 2.13 deprecates: a FutureWarning at nearly every call (100 in an 8-step run), about DeepSpeed's code,
@@ -605,7 +605,7 @@ def load_data(args, sources, accelerator):
     evaluates on them. The dev set: pairs, or a BEIR folder's (queries, corpus, relevant docs)."""
     train_sets, skipped_records, dev_data = [], 0, None
     checks = (args.skip_bad_records, args.max_text_chars, accelerator.print)
-    with accelerator.main_process_first():  # the first process fills datasets' cache, the others read it
+    with main_process_first(accelerator):  # the first process fills the data cache, the others read it
         for source in sources:  # the teacher's scores are read with the texts
             scored = source.distill_weight > 0
             train_data, skipped = pairs.load_pairs(

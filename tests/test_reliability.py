@@ -313,6 +313,23 @@ def test_a_file_of_only_bad_records_stops_even_when_skipping(tmp_path):
         pairs.load_pairs(str(path), skip_bad_records=True)
 
 
+def test_a_data_error_under_two_processes_is_the_main_process_line(tmp_path, data, model_without_dropout):
+    """A bad record under DDP: the main process's line, once, and no other process's traceback (the other
+    failed in accelerate's main_process_first barrier when the main process left it, with a gloo traceback
+    printed before the line)."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(Path(data[0]).read_text() + '{"anchor": "cut off", "positive"\n')
+    done = launch_with_faults(
+        tmp_path / "run", "--model", model_without_dropout, "--data", bad, processes=2, check=False
+    )
+    printed = done.stdout + done.stderr
+    line = f"train.py: error: {bad}, line {len(Path(data[0]).read_text().splitlines()) + 1} is not valid JSON"
+    assert done.returncode != 0 and printed.count(line) == 2, printed[-3000:]  # its own, torchrun's summary
+    before_summary = printed.split("Traceback (most recent call last)")[0]
+    assert line in before_summary and "[rank1]" not in printed, printed[-3000:]
+    assert "stopped with the main process" in printed  # the other process's line, in torchrun's summary
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Non-finite steps and out-of-memory chunks, in one process and in two
 # ---------------------------------------------------------------------------------------------------------

@@ -38,8 +38,10 @@ def fail(message):
 
 def print_error(line):
     """The error line on stderr and, under torchrun, in the error file its failure summary prints as the root
-    cause (accelerate's one-process launcher adds a traceback to any non-zero exit unless --quiet)."""
-    print(line, file=sys.stderr, flush=True)
+    cause (accelerate's one-process launcher adds a traceback to any non-zero exit unless --quiet). Under
+    torchrun only the first process prints it: the others' lines, most often the same, reach the summary."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
     if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
 

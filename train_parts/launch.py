@@ -6,13 +6,15 @@ Flags served: none of train.py's; the accelerate config's mixed_precision, distr
 config's zero_stage and num_processes. A DeepSpeed config that accelerate would not run as DeepSpeed stops.
 """
 
+import contextlib
 import os
 
 from accelerate import DistributedType
+from accelerate.utils import broadcast_object_list
 
 from .common import fail
 
-__all__ = ["check_deepspeed_runs", "launch_facts", "launch_differences"]
+__all__ = ["check_deepspeed_runs", "launch_facts", "launch_differences", "main_process_first"]
 
 
 def check_deepspeed_runs(accelerator):
@@ -46,3 +48,21 @@ def launch_differences(state, facts):
     checkpoint older than these records only its processes."""
     saved = state.get("launch", facts) | {"processes": state["processes"]}
     return [f"{k} {saved[k]} (this launch: {v})" for k, v in facts.items() if saved[k] != v]
+
+
+@contextlib.contextmanager
+def main_process_first(accelerator):
+    """accelerate's main_process_first (the main process fills a cache, the others then read it), but when the
+    main process fails inside, the others stop quietly (their line goes to torchrun's summary alone): its
+    error line is the run's, where they failed in the barrier with a gloo traceback printed before it."""
+    if not accelerator.is_main_process:
+        if broadcast_object_list([None])[0]:  # waits for the main process's outcome
+            raise SystemExit("train.py: stopped with the main process, whose error line is the run's")
+        yield
+        return
+    try:
+        yield
+    except BaseException:
+        broadcast_object_list([True])
+        raise
+    broadcast_object_list([False])
