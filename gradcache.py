@@ -101,8 +101,9 @@ def gradcache_step(
                   collective (DeepSpeed ZeRO-2/3): the process that ran out raises at once, unagreed.
     graph_budget: bytes of stage-1 graphs to keep (`keep_graphs`): the last groups that fit keep theirs and
                   are not re-encoded (math.inf: every group; 0: none). None: the last group only.
-    interrupt:    interrupt() -> True abandons the step (`StepInterrupted`, gradients partial); called before
-                  each group's forward on every process alike, so it may agree across processes (a signal)."""
+    interrupt:    interrupt(stage, group, groups) -> True abandons the step (`StepInterrupted`, gradients
+                  partial); called before each group's forward on every process alike, so it may agree
+                  across processes (a signal); stage "encode" (stage 1) or "backward" (stage 3)."""
     columns, loss_fn = list(columns), loss_fn or contrastive_loss
     chunking = chunk_limits(chunk_size, chunk_tokens, len(columns))
     lengths, encode, together = prepare_step(
@@ -205,7 +206,7 @@ def backpropagate_in_turn(groups, backpropagate_group, sync_context, out_of_memo
     until it returns True; any out-of-memory agreed before the last, synchronizing backward."""
     for g, group in enumerate(groups):
         out_of_memory.raise_if_alone()  # before the interrupt's all-reduce, which the others may not reach
-        stop_if_asked(interrupt)
+        stop_if_asked(interrupt, "backward", g, len(groups))
         is_last = g == len(groups) - 1
         if is_last:
             out_of_memory.agree()
@@ -233,7 +234,7 @@ class EncodingPass:
         """Encodes group g, with grad where it keeps its graph; `measure`: its graph's saved bytes. After an
         out-of-memory nothing, to the agreement (the interrupt still asked: the same calls everywhere)."""
         self.out_of_memory.raise_if_alone()  # before the interrupt's all-reduce: the others may not reach it
-        stop_if_asked(self.interrupt)
+        stop_if_asked(self.interrupt, "encode", g, len(self.groups))
         if self.out_of_memory.ran_out:
             return
         self.rng_states.append(RngState.capture())
@@ -740,8 +741,8 @@ class StepInterrupted(Exception):
     """`interrupt()` said stop, before a group's forward, on every process at the same group."""
 
 
-def stop_if_asked(interrupt):
-    if interrupt is not None and interrupt():
+def stop_if_asked(interrupt, stage, group, groups):
+    if interrupt is not None and interrupt(stage, group, groups):
         raise StepInterrupted
 
 

@@ -239,9 +239,10 @@ def main(args):
     )
     total_steps, stats = derived["total_steps"], {}  # stats: each batch's numbers, from the step and loss
     preemption, budget = run.Preemption(accelerator), GraphBudget(args.graph_budget, accelerator)  # signals
+    stage = logs.StageOnBar(preemption.agreed)  # asked before each group: a signal stops the step there
     penalty = sparsity_penalty(args, model, scheduler, total_steps, accelerator.print)
     steps = source_steps(
-        args, sources, accelerator, engine, model, prompts, train_sets, stats, preemption, budget, penalty
+        args, sources, accelerator, engine, model, prompts, train_sets, stats, stage, budget, penalty
     )
     streak = Streak.of(accelerator, engine, last_checkpoint=resume and resume[0])
     progress = run.resume_training(accelerator, resume, args, scheduler, total_steps)  # or from the start
@@ -254,8 +255,9 @@ def main(args):
     window, masks_warned = logs.LogWindow(), False
     chunking = {"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {"chunk_size": args.chunk_size}
     bar = tqdm(total=total_steps, initial=progress.global_step, disable=not accelerator.is_main_process)
+    stage.bar = bar  # where each step is, shown on it
     preemption.mark(progress)  # where the coming step starts: what a signal during it saves
-    with bar:  # a context: an error's line (printed at the end of the file) comes after the bar
+    with bar, logs.printing_above(bar):  # an error's line (printed at the file's end) comes after the bar
         for batch in run.batches_from(progress, loader, accelerator, total_steps):
             started = time.perf_counter()
             source = int(batch[pairs.SOURCE_COLUMN][0]) if pairs.SOURCE_COLUMN in batch else 0  # SourceMix's
@@ -766,7 +768,7 @@ def start_tracking(args, accelerator, model, prompts, derived, resume):
 
 
 # ---- The step: Gradient Cache on one batch, its loss, and its side data (masks, guide, teacher's scores)
-def source_steps(args, sources, accelerator, engine, model, prompts, train_sets, stats, preemption, budget,
+def source_steps(args, sources, accelerator, engine, model, prompts, train_sets, stats, interrupt, budget,
                  penalty):  # fmt: skip
     """The step of each --data source's batches (gradient_cache_step): its prompts, its loss, its flags, and
     what every step shares: `stats` for the logs, the anchors' known positives, the guide model, the
@@ -775,7 +777,7 @@ def source_steps(args, sources, accelerator, engine, model, prompts, train_sets,
     # An anchor's other positives in the data are no negatives of it (--mask_repeated_texts).
     known_positives = positives_by_anchor(*train_sets) if args.mask_repeated_texts == "on" else None
     guide = models.load_guide(args.guide_model, accelerator, args.trust_remote_code)  # it masks negatives
-    shared = dict(stats=stats, known_positives=known_positives, guide=guide, interrupt=preemption.agreed)
+    shared = dict(stats=stats, known_positives=known_positives, guide=guide, interrupt=interrupt)
     return [
         functools.partial(
             gradient_cache_step,

@@ -126,6 +126,11 @@ def test_interrupt_is_asked_before_every_forward_out_of_memory_or_not(budget):
     asked = Asked()
     step(Forwards(TinyEncoder(0.0)), asked)
     assert asked.calls == asks
+    # Where it asks (train.py shows it on the progress bar): stage 1's groups, then the re-encoded ones.
+    reencoded = asks - groups
+    assert asked.where == [("encode", g, groups) for g in range(groups)] + [
+        ("backward", g, reencoded) for g in range(reencoded)
+    ]
     asked = Asked()
     with pytest.raises(gradcache.ChunkOutOfMemory):
         step(Forwards(TinyEncoder(0.0), out_of_memory_at=3), asked)
@@ -138,13 +143,15 @@ def test_interrupt_is_asked_before_every_forward_out_of_memory_or_not(budget):
 
 
 class Asked:
-    """An interrupt that counts its calls and says stop at the `stop_at`-th (0: never)."""
+    """An interrupt that counts its calls, notes where each asks (stage, group, groups), and says stop at the
+    `stop_at`-th (0: never)."""
 
     def __init__(self, stop_at=0):
-        self.calls, self.stop_at = 0, stop_at
+        self.calls, self.stop_at, self.where = 0, stop_at, []
 
-    def __call__(self):
+    def __call__(self, stage, group, groups):
         self.calls += 1
+        self.where.append((stage, group, groups))
         return self.calls == self.stop_at
 
 

@@ -11,6 +11,7 @@ import shlex
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -290,6 +291,33 @@ def test_a_run_says_its_graph_budget_and_logs_the_groups_kept(
     measured = float(said.split("group(s), ")[1].split(" MiB of saved tensors")[0])
     assert measured > 0 and "memory/peak_rss_gib logs it" in said  # what was kept; a CPU peak: more
     assert [value for _, value in logged_scalars(tmp_path / "all")["train/kept_groups"]] == [kept, kept]
+
+
+def test_the_bar_shows_the_stage_of_a_step_and_warnings_print_above_it(
+    tmp_path, monkeypatch, capsys, data, model_without_dropout
+):
+    """A long step froze the bar: it shows each group's stage (encode k/n, backward k/n). A library's warning
+    during a step was printed into the bar's line; it comes on a line of its own."""
+    step = train.gradient_cache_step
+
+    def warning_step(*args, **kwargs):
+        warnings.warn("a library's warning during the step", UserWarning, stacklevel=1)
+        return step(*args, **kwargs)
+
+    def to_stderr(message, category, filename, lineno, file=None, line=None):  # Python's own, outside pytest
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    monkeypatch.setattr(train, "gradient_cache_step", warning_step)
+    monkeypatch.setattr(warnings, "showwarning", to_stderr)  # pytest would record it, not print it
+    flags = ("--model", model_without_dropout, "--data", data[0], *RUN, "--save_steps", 0, "--max_steps", 2)
+    run_main(monkeypatch, *flags, "--output_dir", tmp_path / "run")
+    out, err = capsys.readouterr()
+    groups = 3 * 3  # chunks of 3 of the 8 anchors, positives and negatives, a group each; the last kept
+    assert f"{groups - 1} of its {groups} chunks were encoded twice" in out
+    for said in (f"encode 1/{groups}", f"encode {groups}/{groups}", f"backward {groups - 1}/{groups - 1}"):
+        assert said in err, said
+    warned = [line for line in err.splitlines() if "UserWarning: a library's warning during the step" in line]
+    assert len(warned) == 1 and warned[0].split("\r")[-1].startswith(__file__), warned
 
 
 def test_a_requeue_continues_only_a_run_of_the_same_launch(

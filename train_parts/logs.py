@@ -11,8 +11,10 @@ import functools
 import netrc
 import os
 import resource
+import sys
 import time
 import urllib.parse
+import warnings
 from pathlib import Path
 
 import psutil
@@ -29,7 +31,8 @@ from .multi_vector import gather_token_matrices
 # fmt: off
 __all__ = [
     "TrackingFlags", "check_wandb_installed", "start_tracking", "wandb_mode", "LogWindow", "log_training",
-    "progress_line", "warn_if_masking_much", "evaluate", "split_between_processes",
+    "progress_line", "StageOnBar", "printing_above", "warn_if_masking_much", "evaluate",
+    "split_between_processes",
 ]
 # fmt: on
 
@@ -178,6 +181,38 @@ def log_training(accelerator, progress, window, derived, batches_per_epoch, loss
     if loss_scale is not None:
         metrics["train/loss_scale"] = float(loss_scale)
     accelerator.log(metrics, step=progress.global_step)
+
+
+class StageOnBar:
+    """gradcache's `interrupt(stage, group, groups)` that also shows on the progress bar where a step is
+    ("encode 3/16", "backward 5/15"): a step of minutes left the bar frozen. `bar`: set once it exists."""
+
+    def __init__(self, interrupt):
+        self.interrupt, self.bar = interrupt, None
+
+    def __call__(self, stage, group, groups):
+        if self.bar is not None:
+            self.bar.set_description_str(f"{stage} {group + 1}/{groups}")
+        return self.interrupt()
+
+
+@contextlib.contextmanager
+def printing_above(bar):
+    """Python's warnings and the libraries' log records written above the progress bar (tqdm.write, tqdm's
+    logging_redirect_tqdm) while it lives, not into its line."""
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    show = warnings.showwarning
+
+    def above(message, category, filename, lineno, file=None, line=None):
+        bar.write(warnings.formatwarning(message, category, filename, lineno, line).rstrip(), file=sys.stderr)
+
+    warnings.showwarning = above
+    try:
+        with logging_redirect_tqdm():
+            yield
+    finally:
+        warnings.showwarning = show
 
 
 def progress_line(report, window, derived, stats):
