@@ -3,8 +3,9 @@ trains as one, through train.py's own functions, exactly as sentence-transformer
 MultiVectorMultipleNegativesRankingLoss trains it on the whole batch (float64 truth, references.py's rule),
 its token matrices cached chunk by chunk (gradcache.TokenMatrices) and scored by MaxSim tile by tile
 (multi_vector.TiledMaxSim); distilled from a teacher's scores (--distill_weight: that loss plus a plain-torch
-KL over each anchor's own group); saved as a MultiVectorEncoder that still encodes a matrix per text; the
-flags that do not fit it refused in one line. Across processes: tests/test_matrix.py's "colbert" rows.
+KL over each anchor's own group), also with a Router's query and document towers; saved as a
+MultiVectorEncoder that still encodes a matrix per text; the flags that do not fit it refused in one line.
+Across processes: tests/test_matrix.py's "colbert" rows.
 """
 
 import functools
@@ -113,12 +114,15 @@ def test_a_multi_vector_step_is_exact_against_sentence_transformers_loss(tmp_pat
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kind", ["colbert", "colbert-router"], ids=["one-model", "towers"])
 def test_a_colbert_folder_trains_into_a_multi_vector_encoder_that_reloads(
-    tmp_path, data, monkeypatch, capsys
+    tmp_path, data, monkeypatch, capsys, kind
 ):
+    """A ColBERT folder (also one of a Router's query and document towers) trained by train.main with
+    dropout: saved as a MultiVectorEncoder of the same modules and masks, trained, evaluated by MaxSim."""
     from sentence_transformers import MultiVectorEncoder
 
-    folder = build_tiny_model(tmp_path, dropout=0.1, kind="colbert")
+    folder = build_tiny_model(tmp_path, dropout=0.1, kind=kind)
     run = ("--output_dir", tmp_path / "run", "--model", folder, "--data", data[0], "--dev_data", data[1])
     run += ("--batch_size", 8, "--chunk_size", 3, "--max_steps", 3, "--eval_steps", 3, "--lr", 5e-3)
     run_main(monkeypatch, *run)
@@ -273,15 +277,18 @@ def distilled_reference(batch, teacher, distill_weight=0.5):
     return replayed
 
 
+@pytest.mark.parametrize("kind", ["colbert", "colbert-router"], ids=["one-model", "towers"])
 def test_a_distilled_multi_vector_step_is_exact_against_sentence_transformers_loss_and_a_kl(
-    tmp_path, accelerator, monkeypatch, kind="colbert"
+    tmp_path, accelerator, monkeypatch, kind
 ):
-    """--distill_weight on a multi-vector model: train.py's step (chunks of 24 tokens, tiles and pieces of
-    a few rows) against MultiVectorMultipleNegativesRankingLoss plus a plain-torch KL on colbert_scores over
-    each anchor's own group, with the teacher's scores read from the raw records, float64 truth by
-    references.py's rule. The negative controls fail it: the reference without the KL; the step with the
-    teacher's scores of the positive and the first negative swapped; the step with the KL on the previous
-    row's group."""
+    """--distill_weight on a multi-vector model, and on one with towers (a MultiVectorEncoder whose Router
+    sends queries and documents to two BERTs): train.py's step (chunks of 24 tokens, tiles and pieces of a
+    few rows) against MultiVectorMultipleNegativesRankingLoss plus a plain-torch KL on colbert_scores over
+    each anchor's own group (sentence-transformers routes each column by its task itself), with the
+    teacher's scores read from the raw records, float64 truth by references.py's rule; both towers get
+    gradients. The negative controls fail it: the reference without the KL; the step with the teacher's
+    scores of the positive and the first negative swapped; the step with the KL on the previous row's
+    group."""
     folder = build_tiny_model(tmp_path, dropout=0.0, kind=kind)
     records = scored_records(tmp_path / "scored.jsonl")
     monkeypatch.setattr(multi_vector, "TILE_ELEMENTS", 4 * 12 * 12)  # tiles and pieces of a few rows
@@ -291,6 +298,10 @@ def test_a_distilled_multi_vector_step_is_exact_against_sentence_transformers_lo
     assert_gradients_exact([model], reference, report.loss, f"distilled multi-vector step, {kind}")
     undistilled = distilled_reference(batch, teacher_in_records(records, batch["anchor"]), distill_weight=0)
     assert_gradients_inexact([model], undistilled, "the reference without the KL")
+    if kind == "colbert-router":  # both towers trained
+        for tower in ("query", "document"):
+            grads = [p.grad for name, p in model.named_parameters() if f".{tower}." in name]
+            assert any(grad is not None and grad.abs().sum() > 0 for grad in grads), tower
     # Negative controls: wrong paths through the step
     with monkeypatch.context() as patch:
         read = train.teacher_scores
