@@ -23,7 +23,7 @@ from gradcache import TokenMatrices, collective_device, distillation, gather_fro
 from .common import fail
 
 __all__ = ["MultiVectorFlags", "is_multi_vector", "check_flags", "maxsim_loss", "maxsim", "TILE_ELEMENTS"]
-__all__ += ["loss_options", "group_maxsim", "own_row_maxsim", "gather_token_matrices"]
+__all__ += ["loss_options", "group_maxsim", "gather_token_matrices"]
 
 
 @dataclasses.dataclass(frozen=True)
