@@ -57,7 +57,7 @@ __all__ += ["tokenize_per_chunk", "select_examples", "plan_chunks", "plan_step",
 # Parts that train.py, tests/ and bench/ call or replace on their own.
 __all__ += ["check_examples_independent", "cache_representation_gradients", "backpropagate_cache"]
 __all__ += ["check_loss_takes_local_rows", "gather_from_all_processes", "largest_on_any_process"]
-__all__ += ["collective_device"]
+__all__ += ["collective_device", "distillation"]
 
 
 # ============================== Part I. The step =========================================================

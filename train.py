@@ -892,7 +892,7 @@ def loss_function(source, model, penalty=None):
         options |= dict(symmetric=source.symmetric, tile_size=source.loss_tile_size)
     contrastive = gradcache.contrastive_loss if source.in_batch_negatives == "on" else gradcache.group_loss
     if multi_vector.is_multi_vector(model):  # MaxSim over token matrices (check_flags refused the rest)
-        contrastive, options = multi_vector.maxsim_loss, {"scale": options["scale"]}
+        contrastive, options = multi_vector.maxsim_loss, multi_vector.loss_options(options)
     loss = functools.partial(contrastive, **options)
     if penalty is None:
         return loss

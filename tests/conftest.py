@@ -1,5 +1,5 @@
 """Fixtures shared by the launch tests: tiny data files (one source, and two of other fields) and tiny models,
-built once per module."""
+built once per module; a one-process Accelerator for the tests that call train.py's step."""
 
 import os
 import random
@@ -72,3 +72,14 @@ def sources(tmp_path_factory):
         for i in range(16)
     ]
     return write_rows(folder / "scored.jsonl", scored), write_rows(folder / "named.jsonl", named)
+
+
+@pytest.fixture
+def accelerator():
+    """A one-process CPU Accelerator, as train.py's on cpu.yaml, undone after the test."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    yield Accelerator(cpu=True)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

@@ -383,3 +383,44 @@ def maxsim_kept_in_float64():
         yield
     finally:
         similarity._maxsim_score_documents = original
+
+
+def maxsim_distilled_loss(model, teacher, distill_weight, temperature, scale=1.0):
+    """`loss(features, labels=None)`, called as sentence-transformers' losses are: its
+    MultiVectorMultipleNegativesRankingLoss (at `scale`) on the whole batch, plus distill_weight x the mean
+    over the anchors of `maxsim_group_kl` (the model's token embeddings and scoring masks). `teacher`:
+    B x (1 + k)."""
+    from sentence_transformers.multi_vector_encoder.losses import MultiVectorMultipleNegativesRankingLoss
+
+    in_batch = MultiVectorMultipleNegativesRankingLoss(model, scale=scale)
+
+    def loss(features, labels=None):
+        tasks = ["query"] + ["document"] * (len(features) - 1)
+        outputs = [model(dict(f), task=f.get("task", t)) for f, t in zip(features, tasks, strict=True)]
+        vectors = [output["token_embeddings"] for output in outputs]
+        masks = [output["attention_mask"].bool() for output in outputs]
+        kl = maxsim_group_kl(vectors, masks, teacher, temperature, scale)
+        with maxsim_kept_in_float64():
+            return in_batch(features) + distill_weight * kl.mean()
+
+    return loss
+
+
+def maxsim_group_kl(vectors, masks, teacher, temperature, scale=1.0):
+    """Per anchor, KL(softmax(teacher / T) || softmax(scale MaxSim / T)) over its own group (its positive,
+    then its hard negatives), T the temperature, in plain torch on sentence-transformers' colbert_scores of
+    the whole batch (B x B(1 + k), query-major: row i's group is columns i(1 + k) to (i + 1)(1 + k) - 1),
+    read off that matrix, in the kernel's own dtype (`maxsim_kept_in_float64`). vectors, masks: each
+    column's B x tokens x d token vectors and B x tokens boolean masks, the anchors first; teacher:
+    B x (1 + k)."""
+    from sentence_transformers.multi_vector_encoder.scoring import colbert_scores
+    from sentence_transformers.util import stack_padded_token_embeddings
+
+    stacked, stacked_masks = stack_padded_token_embeddings(vectors[1:], masks[1:])
+    with maxsim_kept_in_float64():
+        scores = scale * colbert_scores(vectors[0], stacked, masks[0], stacked_masks)
+    rows, group = torch.arange(len(stacked)), len(vectors) - 1
+    student = scores.view(len(rows), len(rows), group)[rows, rows] / temperature
+    target = torch.softmax(torch.as_tensor(teacher, dtype=student.dtype) / temperature, dim=1)
+    assert target.shape == student.shape == (len(rows), group)
+    return (target * (target.log() - torch.log_softmax(student, dim=1))).sum(dim=1)

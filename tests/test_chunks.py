@@ -75,17 +75,6 @@ class PaddedSizes(torch.nn.Module):
         return self.model(features)
 
 
-@pytest.fixture
-def accelerator():
-    """A one-process CPU Accelerator, as train.py's on cpu.yaml, undone after the test."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-
-    yield Accelerator(cpu=True)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 # ---- plans ----
 
 

@@ -13,7 +13,9 @@ unchunked, dropout off, plain autograd and SGD. Without cross-process negatives 
 each rank's loss on its own shard (what DDP and DeepSpeed average). Rows with a loss sentence-transformers
 lacks (masks of repeated texts and a margin, a teacher's scores, no in-batch negatives) take
 tests/references.py's `reference_objective` instead: plain autograd on the materialized scores, masks read
-entry by entry from the texts, the same in every other respect. The reference shares the batches
+entry by entry from the texts, the same in every other respect; a distilled multi-vector row takes
+sentence-transformers' MultiVectorMultipleNegativesRankingLoss plus a plain-torch KL on its colbert_scores
+(references.py's `maxsim_distilled_loss`). The reference shares the batches
 (`global_batches`, `shard`) and, for masked rows, the guide model's folder with the run; nothing else.
 
 The sparse encoders (models "splade" and "inference-free", SparseEncoder; rows trained with train.py's
@@ -89,6 +91,7 @@ from references import (
     Exactness,
     assert_inexact,
     exactness,
+    maxsim_distilled_loss,
     maxsim_kept_in_float64,
     reference_objective,
     relative_error,
@@ -178,7 +181,8 @@ ROWS = [Row(*fields) for fields in [
      "lora", True, "in-batch", "masked", 1, "some", "sdpa"),
     # the multi-vector model (ColBERT: token matrices, MaxSim): every backend, each
     ("plain", 1, "size", "colbert", "one-way", "lora", True, "in-batch", "none", 1, "some", "sdpa"),
-    ("ddp", 2, "uneven", "colbert", "one-way", "checkpointing", True, "in-batch", "none", 2, "all", "eager"),
+    ("ddp", 2, "uneven", "colbert", "one-way",
+     "checkpointing", True, "in-batch", "distilled", 2, "all", "eager"),
     ("zero1", 3, "tokens", "colbert", "one-way", "none", False, "in-batch", "none", 1, "none", "eager"),
     ("zero2", 2, "tokens", "colbert", "one-way",
      "checkpointing", False, "in-batch", "none", 2, "all", "sdpa"),
@@ -212,9 +216,10 @@ def possible(values):
     if values.get("model") in SPARSE_MODELS and (values.get("loss"), values.get("negatives")) != (None, None):
         if values.get("loss") == "matryoshka" or values.get("negatives") == "group":
             return False  # train.py refuses them for a sparse encoder (check_sparse_flags)
-    if values.get("model") == "colbert" and any(
-        values.get(name) not in (None, value)
-        for name, value in (("loss", "one-way"), ("negatives", "in-batch"), ("extra", "none"))
+    if values.get("model") == "colbert" and (
+        values.get("loss") not in (None, "one-way")
+        or values.get("negatives") not in (None, "in-batch")
+        or values.get("extra") == "masked"  # the margin and the guide (repeated texts are masked in any row)
     ):
         return False  # train.py refuses the rest for a multi-vector model (multi_vector.check_flags)
     if values.get("code") == "remote" and values.get("model") not in (None, "shared"):
@@ -273,10 +278,14 @@ def runs(tmp_path_factory, model_folders):
     return results_of
 
 
-def sentence_transformers_loss(row, model):
+def sentence_transformers_loss(row, model, teacher=None):
+    """The row's loss from sentence-transformers; a ColBERT's with a teacher's scores (B x (1 + k)) plus a
+    plain-torch KL on its colbert_scores (references.py's maxsim_distilled_loss)."""
     from sentence_transformers.multi_vector_encoder.losses import MultiVectorMultipleNegativesRankingLoss
     from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss, MultipleNegativesRankingLoss
 
+    if row.model == "colbert" and teacher is not None:
+        return maxsim_distilled_loss(model, teacher, DISTILLATION["weight"], DISTILLATION["temperature"])
     if row.model == "colbert":  # MaxSim at its default scale, 1
         return MultiVectorMultipleNegativesRankingLoss(model)
 
@@ -429,8 +438,8 @@ def reference_run(row, model_folder, guide_folder, dtype=torch.float64, cross=No
         for part in parts:
             if in_batch and row.extra == "none" and sparse:
                 loss = splade  # SpladeLoss: a dict of its terms
-            elif in_batch and row.extra == "none":
-                loss = sentence_transformers_loss(row, model)
+            elif in_batch and (row.extra == "none" or row.model == "colbert"):
+                loss = sentence_transformers_loss(row, model, part.get("teacher_scores"))
             else:
                 flops = weights if regularized else None
                 loss = independent_loss(row, model, part, guide, positives_in_data(batch), in_batch, flops)

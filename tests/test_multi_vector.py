@@ -2,20 +2,23 @@
 trains as one, through train.py's own functions, exactly as sentence-transformers'
 MultiVectorMultipleNegativesRankingLoss trains it on the whole batch (float64 truth, references.py's rule),
 its token matrices cached chunk by chunk (gradcache.TokenMatrices) and scored by MaxSim tile by tile
-(multi_vector.TiledMaxSim); saved as a MultiVectorEncoder that still encodes a matrix per text; the flags that
-do not fit it refused in one line. Across processes: tests/test_matrix.py's "colbert" rows.
+(multi_vector.TiledMaxSim); distilled from a teacher's scores (--distill_weight: that loss plus a plain-torch
+KL over each anchor's own group), also with a Router's query and document towers; saved as a
+MultiVectorEncoder that still encodes a matrix per text; the flags that do not fit it refused in one line.
+Across processes: tests/test_matrix.py's "colbert" rows.
 """
 
 import functools
 import json
+import random
 
 import pytest
 import torch
-from references import StageOneRecorder, maxsim_kept_in_float64
+from references import StageOneRecorder, maxsim_distilled_loss, maxsim_group_kl, maxsim_kept_in_float64
 from test_any_model import COLUMNS, column_texts, trained_as
 from test_gradcache import assert_gradients_exact, assert_gradients_inexact
 from test_model_flags import one_line_error
-from test_train import CONFIGS, build_tiny_model, launch, logged_scalars, run_main
+from test_train import CONFIGS, WORDS, build_tiny_model, launch, logged_scalars, run_main, write_rows
 
 import train
 from gradcache import TokenMatrices
@@ -111,12 +114,15 @@ def test_a_multi_vector_step_is_exact_against_sentence_transformers_loss(tmp_pat
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kind", ["colbert", "colbert-router"], ids=["one-model", "towers"])
 def test_a_colbert_folder_trains_into_a_multi_vector_encoder_that_reloads(
-    tmp_path, data, monkeypatch, capsys
+    tmp_path, data, monkeypatch, capsys, kind
 ):
+    """A ColBERT folder (also one of a Router's query and document towers) trained by train.main with
+    dropout: saved as a MultiVectorEncoder of the same modules and masks, trained, evaluated by MaxSim."""
     from sentence_transformers import MultiVectorEncoder
 
-    folder = build_tiny_model(tmp_path, dropout=0.1, kind="colbert")
+    folder = build_tiny_model(tmp_path, dropout=0.1, kind=kind)
     run = ("--output_dir", tmp_path / "run", "--model", folder, "--data", data[0], "--dev_data", data[1])
     run += ("--batch_size", 8, "--chunk_size", 3, "--max_steps", 3, "--eval_steps", 3, "--lr", 5e-3)
     run_main(monkeypatch, *run)
@@ -146,7 +152,6 @@ def test_a_colbert_folder_trains_into_a_multi_vector_encoder_that_reloads(
         ["--symmetric"],
         ["--in_batch_negatives", "off"],
         ["--false_negative_margin", "0.1"],
-        ["--distill_weight", "1"],
     ],
     ids=lambda flags: flags[0].lstrip("-"),
 )
@@ -200,6 +205,167 @@ def test_repeated_texts_leave_the_maxsim_softmax_as_in_the_materialized_scores()
     assert stats["masked_fraction"] == pytest.approx(3 / (rows * (2 * rows - 1)))
     unmasked = multi_vector.maxsim_loss(*[c.detach() for c in columns], scale=2.0)
     assert not torch.allclose(unmasked, truth[0])  # the negative control: without the masks
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Distillation from a teacher's scores: the KL over each anchor's own group, on MaxSim
+# ---------------------------------------------------------------------------------------------------------
+
+
+def scored_records(path, count=12):
+    """FlagEmbedding-style records (query, pos, neg, pos_scores, neg_scores) of the tiny vocabulary's words
+    (w0 to w4: the ColBERT's skip list), two hard negatives each, the teacher's scores multiples of 1/8 (which
+    float32, as train.py reads them, holds exactly)."""
+    rng = random.Random(5)
+
+    def text(tag):
+        return " ".join(rng.sample(WORDS, rng.randint(1, 9))) + f" {tag}"
+
+    records = [
+        {"query": text(f"a{i}"), "pos": [text(f"p{i}")], "neg": [text(f"n{i}"), text(f"n{i + count}")],
+         "pos_scores": [rng.randint(-24, 24) / 8], "neg_scores": [rng.randint(-24, 24) / 8 for _ in "nn"]}
+        for i in range(count)
+    ]  # fmt: skip
+    return write_rows(path, records)
+
+
+def teacher_in_records(path, anchors):
+    """Each anchor's teacher scores as its record holds them: its positive's, then its negatives'."""
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    scores = {record["query"]: record["pos_scores"] + record["neg_scores"] for record in records}
+    return torch.tensor([scores[anchor] for anchor in anchors], dtype=torch.float64)
+
+
+def distilled_step(folder, records, accelerator):
+    """train.py's own step (train.gradient_cache_step) on the first batch that train.py reads from `records`
+    (load_data, make_loader) with --distill_weight 0.5 --distill_temperature 2, in chunks of 24 tokens
+    (each column planned apart: an anchor's block is not its documents'): (model, batch, step), step() running
+    it on gradients zeroed and returning gradcache's report."""
+    flags = ["--model", str(folder), "--data", str(records), "--batch_size", "12", "--chunk_tokens", "24"]
+    args = train.parse_args([*flags, "--distill_weight", "0.5", "--distill_temperature", "2"])
+    (source,) = train.source_settings(args)
+    model = train.load_model(args, [source])
+    (data,), _, _ = train.load_data(args, [source], accelerator)
+    batch = next(iter(train.make_loader([data], args, 1)))
+    engine, loss_fn = models.training_module(model, [source]), train.loss_function(source, model)
+    prompts = models.role_prompts(model, source.query_prompt, source.document_prompt)
+
+    def step():
+        model.zero_grad()
+        chunking = {"chunk_tokens": args.chunk_tokens}
+        return train.gradient_cache_step(
+            accelerator, engine, model, prompts, loss_fn, source, batch, chunking
+        )
+
+    return model, batch, step
+
+
+def distilled_reference(batch, teacher, distill_weight=0.5):
+    """`reference(copies, cast)` for test_gradcache's rule: references.maxsim_distilled_loss (sentence-
+    transformers' loss, and a plain-torch KL on its colbert_scores) on the whole batch in one graph, at
+    temperature 2, the texts tokenized by sentence-transformers with their tasks."""
+    columns = ("anchor", "positive", "negative_1", "negative_2")
+
+    def replayed(copies, cast):
+        (copied,) = copies
+        tasks = ["query", "document", "document", "document"]
+        features = [copied.preprocess(batch[c], task=t) for c, t in zip(columns, tasks, strict=True)]
+        loss = maxsim_distilled_loss(copied, cast(teacher), distill_weight, temperature=2.0)(features)
+        loss.backward()
+        return loss.detach()
+
+    return replayed
+
+
+@pytest.mark.parametrize("kind", ["colbert", "colbert-router"], ids=["one-model", "towers"])
+def test_a_distilled_multi_vector_step_is_exact_against_sentence_transformers_loss_and_a_kl(
+    tmp_path, accelerator, monkeypatch, kind
+):
+    """--distill_weight on a multi-vector model, and on one with towers (a MultiVectorEncoder whose Router
+    sends queries and documents to two BERTs): train.py's step (chunks of 24 tokens, tiles and pieces of a
+    few rows) against MultiVectorMultipleNegativesRankingLoss plus a plain-torch KL on colbert_scores over
+    each anchor's own group (sentence-transformers routes each column by its task itself), with the
+    teacher's scores read from the raw records, float64 truth by references.py's rule; both towers get
+    gradients. The negative controls fail it: the reference without the KL; the step with the teacher's
+    scores of the positive and the first negative swapped; the step with the KL on the previous row's
+    group."""
+    folder = build_tiny_model(tmp_path, dropout=0.0, kind=kind)
+    records = scored_records(tmp_path / "scored.jsonl")
+    monkeypatch.setattr(multi_vector, "TILE_ELEMENTS", 4 * 12 * 12)  # tiles and pieces of a few rows
+    model, batch, step = distilled_step(folder, records, accelerator)
+    reference = distilled_reference(batch, teacher_in_records(records, batch["anchor"]))
+    report = step()
+    assert_gradients_exact([model], reference, report.loss, f"distilled multi-vector step, {kind}")
+    undistilled = distilled_reference(batch, teacher_in_records(records, batch["anchor"]), distill_weight=0)
+    assert_gradients_inexact([model], undistilled, "the reference without the KL")
+    if kind == "colbert-router":  # both towers trained
+        for tower in ("query", "document"):
+            grads = [p.grad for name, p in model.named_parameters() if f".{tower}." in name]
+            assert any(grad is not None and grad.abs().sum() > 0 for grad in grads), tower
+    # Negative controls: wrong paths through the step
+    with monkeypatch.context() as patch:
+        read = train.teacher_scores
+        patch.setattr(train, "teacher_scores", lambda *given: read(*given)[:, [1, 0, 2]])
+        step()
+    assert_gradients_inexact(
+        [model], reference, "the teacher's scores of the positive and a negative swapped"
+    )
+    with monkeypatch.context() as patch:
+        own_groups = multi_vector.group_maxsim
+        patch.setattr(multi_vector, "group_maxsim", lambda *given: own_groups(*given).roll(1, dims=0))
+        step()
+    assert_gradients_inexact([model], reference, "the KL on the previous row's group")
+
+
+def test_the_maxsim_kl_pairs_each_anchor_with_its_own_group_across_blocks_and_processes():
+    """maxsim_loss's KL term on TokenMatrices chunked otherwise in each column (an anchor's row sits in
+    another block, at another position, than its documents', every block at its own width), in pieces of a
+    few rows: the value and the gradients of every block equal cross-entropy plus references.py's
+    maxsim_group_kl on colbert_scores materialized, float64; two processes' shares (local_rows) add up to
+    the whole; without the teacher it is another loss (the negative control)."""
+    from sentence_transformers.multi_vector_encoder.scoring import colbert_scores
+    from sentence_transformers.util import stack_padded_token_embeddings
+
+    torch.manual_seed(0)
+    rows, width = 7, 8
+    columns = []
+    for tokens in (5, 6, 4):
+        vectors = torch.nn.functional.normalize(torch.randn(rows, tokens, width, dtype=torch.float64), dim=-1)
+        mask = torch.rand(rows, tokens) < 0.7
+        mask[:, 0] = True
+        columns.append(torch.cat([vectors, mask[..., None].double()], dim=-1))
+    chunks = [[[0, 1, 2], [3, 4, 5, 6]], [[6, 2], [0, 4, 1], [3, 5]], [[5, 4, 3, 2, 1, 0, 6]]]
+
+    def blocks(column, plan):  # each chunk at its own width: up to its last token that any mask keeps
+        index = [torch.tensor(chunk) for chunk in plan]
+        widths = [int(column[i][..., -1].any(0).nonzero().max()) + 1 for i in index]
+        return TokenMatrices(index, [column[i][:, :w].clone() for i, w in zip(index, widths, strict=True)])
+
+    teacher = torch.randn(rows, 2, dtype=torch.float64) * 3
+    options = dict(scale=2.0, teacher_scores=teacher, distill_weight=0.7, distill_temperature=1.5)
+    blocked = [blocks(column, plan).requires_grad_() for column, plan in zip(columns, chunks, strict=True)]
+    loss = multi_vector.maxsim_loss(*blocked, tile_elements=40, **options)
+    loss.backward()
+
+    reference = [column.clone().requires_grad_() for column in columns]
+    vectors, masks = [c[..., :-1] for c in reference], [c[..., -1] > 0 for c in reference]
+    stacked, stacked_masks = stack_padded_token_embeddings(vectors[1:], masks[1:])
+    with maxsim_kept_in_float64():
+        scores = 2.0 * colbert_scores(vectors[0], stacked, masks[0], stacked_masks)
+    kl = maxsim_group_kl(vectors, masks, teacher, temperature=1.5, scale=2.0)
+    truth = torch.nn.functional.cross_entropy(scores, torch.arange(rows) * 2) + 0.7 * kl.mean()
+    truth.backward()
+    assert torch.allclose(loss, truth, atol=1e-12, rtol=0)
+    for column, truth_column in zip(blocked, reference, strict=True):
+        for index, block in zip(column.indices, column.blocks, strict=True):
+            expected = truth_column.grad[index][:, : block.shape[1], :-1]
+            assert torch.allclose(block.grad[..., :-1], expected, atol=1e-12, rtol=0)
+    detached = [TokenMatrices(c.indices, [b.detach() for b in c.blocks]) for c in blocked]
+    shares = [
+        multi_vector.maxsim_loss(*detached, local_rows=r, **options) for r in (slice(0, 3), slice(3, 7))
+    ]
+    assert torch.allclose(sum(shares), truth.detach(), atol=1e-12, rtol=0)
+    assert not torch.allclose(multi_vector.maxsim_loss(*detached, scale=2.0), truth.detach())
 
 
 def test_two_processes_share_the_multi_vector_evaluation(tmp_path, data):

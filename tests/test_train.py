@@ -62,6 +62,7 @@ def build_tiny_model(folder, dropout, kind="mean"):
                     queries, the SPLADE BERT for the documents
           "colbert" a MultiVectorEncoder: the BERT, a Dense 32 -> 16 on its token embeddings, a
                     MultiVectorMask that leaves the words w0 to w4 of the documents out, Normalize (ColBERT)
+          "colbert-router"  the same behind "router"'s two BERTs (query and document towers)
     """
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules import Router
@@ -113,11 +114,12 @@ def build_tiny_model(folder, dropout, kind="mean"):
             model = SparseEncoder(modules=[Router.for_query_document([query], document)])
         model.save(str(folder / "model"))
         return folder / "model"
-    if kind == "colbert":
-        return build_tiny_colbert(folder, transformer("bert", 0))
+    if kind in ("router", "colbert-router"):
+        router = Router.for_query_document([transformer("query", 0)], [transformer("document", 1)])
+    if kind in ("colbert", "colbert-router"):
+        return build_tiny_colbert(folder, router if kind == "colbert-router" else transformer("bert", 0))
     pooling = Pooling(32, {"cls": "cls", "decoder": "lasttoken"}.get(kind, "mean"))
     if kind == "router":
-        router = Router.for_query_document([transformer("query", 0)], [transformer("document", 1)])
         modules = [router, pooling]
     else:
         modules = [transformer("bert" if kind != "decoder" else "llama", 0), pooling]
@@ -127,6 +129,7 @@ def build_tiny_model(folder, dropout, kind="mean"):
 
 
 def build_tiny_colbert(folder, transformer):
+    """A ColBERT on `transformer` (a Transformer, or a Router of them), saved; see build_tiny_model."""
     from sentence_transformers import MultiVectorEncoder
     from sentence_transformers.base.modules import Dense, Normalize
     from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask

@@ -5,9 +5,10 @@ A text's representation is its token matrix with the model's scoring mask (Multi
 skip-list words out, query expansion in) as a last channel (`models.representation`); gradcache keeps each
 chunk's at the chunk's own width (`gradcache.TokenMatrices`).
 
-Flags served: the --scale default (1, sentence-transformers' MultiVectorMultipleNegativesRankingLoss's), and
-the refusal of --matryoshka_dims, --similarity, --symmetric, --in_batch_negatives off,
---false_negative_margin, --guide_model and --distill_weight for such a model.
+Flags served: the --scale default (1, sentence-transformers' MultiVectorMultipleNegativesRankingLoss's),
+--distill_weight and --distill_temperature (the KL to a teacher's scores over each anchor's own group, on
+MaxSim), and the refusal of --matryoshka_dims, --similarity, --symmetric, --in_batch_negatives off,
+--false_negative_margin and --guide_model for such a model.
 """
 
 import dataclasses
@@ -15,13 +16,14 @@ import math
 
 import torch
 from sentence_transformers import MultiVectorEncoder
+from torch.utils.checkpoint import checkpoint
 
-from gradcache import TokenMatrices, collective_device, gather_from_all_processes
+from gradcache import TokenMatrices, collective_device, distillation, gather_from_all_processes
 
 from .common import fail
 
 __all__ = ["MultiVectorFlags", "is_multi_vector", "check_flags", "maxsim_loss", "maxsim", "TILE_ELEMENTS"]
-__all__ += ["gather_token_matrices"]
+__all__ += ["loss_options", "group_maxsim", "gather_token_matrices"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +36,6 @@ class MultiVectorFlags:
     symmetric: bool = False
     false_negative_margin: float | None = None
     guide_model: str | None = None
-    distill_weight: float | list = 0.0
 
 
 def is_multi_vector(model):
@@ -47,7 +48,6 @@ def check_flags(model, flags, group_only=False):
     negatives, as sentence-transformers' MultiVectorMultipleNegativesRankingLoss does."""
     if not is_multi_vector(model):
         return
-    distilled = any(flags.distill_weight) if isinstance(flags.distill_weight, list) else flags.distill_weight
     refused = {
         "--matryoshka_dims": "it has no pooled vector whose prefixes could be trained",
         "--similarity": "it scores by MaxSim over its token vectors, not one vector's cosine or dot product",
@@ -55,7 +55,6 @@ def check_flags(model, flags, group_only=False):
         "--in_batch_negatives off": "its loss is the in-batch one (MultiVectorMultipleNegativesRankingLoss)",
         "--false_negative_margin": "the margin masks compare pooled vectors",
         "--guide_model": "the guide's masks compare pooled vectors",
-        "--distill_weight": "distillation from teacher scores is not implemented for MaxSim yet",
     }
     given = {
         "--matryoshka_dims": bool(flags.matryoshka_dims),
@@ -64,7 +63,6 @@ def check_flags(model, flags, group_only=False):
         "--in_batch_negatives off": group_only,
         "--false_negative_margin": flags.false_negative_margin is not None,
         "--guide_model": bool(flags.guide_model),
-        "--distill_weight": bool(distilled),
     }
     if refusal := next((flag for flag, is_given in given.items() if is_given), None):
         fail(
@@ -82,19 +80,30 @@ def maxsim(queries, documents):
     """MaxSim of every query against every document of a tile -> queries x documents: per query token the
     largest similarity to a document token the document's mask keeps, summed over the tokens the query's
     mask keeps (sentence-transformers' colbert_scores). Each input: rows x tokens x (dimensions + mask)."""
-    query_vectors, query_mask = queries[..., :-1], queries[..., -1] > 0
-    document_vectors, document_mask = documents[..., :-1], documents[..., -1] > 0
-    similarities = torch.einsum("qtd,ksd->qkts", query_vectors, document_vectors)
+    similarities = torch.einsum("qtd,ksd->qkts", queries[..., :-1], documents[..., :-1])
+    return best_matches_summed(similarities, queries[:, None, :, -1], documents[None, :, None, :, -1])
+
+
+def own_row_maxsim(queries, documents):
+    """MaxSim of each query against the document of its own row only -> rows (maxsim's diagonal; the other
+    pairs are never computed). Each input: rows x tokens x (dimensions + mask)."""
+    similarities = torch.einsum("rtd,rsd->rts", queries[..., :-1], documents[..., :-1])
+    return best_matches_summed(similarities, queries[..., -1], documents[:, None, :, -1])
+
+
+def best_matches_summed(similarities, query_mask, document_mask):
+    """Per query token its largest similarity (the last axis) to a document token that `document_mask`
+    keeps, summed over the query tokens that `query_mask` keeps; the masks (> 0: kept) broadcast against
+    the similarities without and with their last axis."""
     # The lowest number, not 0: a masked token must never win the max over negative similarities.
-    similarities = similarities.masked_fill(
-        ~document_mask[None, :, None, :], torch.finfo(similarities.dtype).min
-    )
-    return (similarities.amax(dim=-1) * query_mask[:, None, :]).sum(dim=-1)
+    similarities = similarities.masked_fill(document_mask <= 0, torch.finfo(similarities.dtype).min)
+    return (similarities.amax(dim=-1) * (query_mask > 0)).sum(dim=-1)
 
 
 def maxsim_loss(
     anchor, positive, *negatives, scale: float = 1.0, tile_elements: int | None = None,
     local_rows: slice | None = None, false_negatives=None, stats: dict | None = None,
+    teacher_scores: torch.Tensor | None = None, distill_weight: float = 1.0, distill_temperature: float = 1.0,
 ):  # fmt: skip
     """In-batch negatives on MaxSim scores (MultiVectorMultipleNegativesRankingLoss), tile by tile.
 
@@ -106,7 +115,11 @@ def maxsim_loss(
     the B x N scores nor a tile's token similarities beyond `tile_elements` (TILE_ELEMENTS).
     local_rows:       cross-process negatives: the anchors this process computes, still divided by B.
     false_negatives:  a gradcache.FalseNegatives of text ids (repeated texts, other positives): masked.
-    stats:            receives "in_batch_accuracy" (and, with masks, "masked_fraction")."""
+    stats:            receives "in_batch_accuracy" (and, with masks, "masked_fraction").
+    teacher_scores:   B x (1 + k) teacher scores of each anchor's positive and hard negatives: adds
+                      (distill_weight / B) sum_i KL(softmax(t_i / T) || softmax(g_i / T)), T the
+                      distill_temperature, g_i = scale (MaxSim(a_i, p_i), MaxSim(a_i, n_i1), ...) the anchor's
+                      own group (`group_maxsim`), over the local rows: gradcache.contrastive_loss's term."""
     columns = [
         column if isinstance(column, TokenMatrices) else as_blocks(column)
         for column in (anchor, positive, *negatives)
@@ -133,7 +146,61 @@ def maxsim_loss(
         stats["in_batch_accuracy"] = float(plan.hits[0]) / max(plan.hits[1], 1)
         if mask is not None:
             stats["masked_fraction"] = float(mask.masked) / max(mask.seen, 1)
-    return terms.sum() / batch_size
+    loss = terms.sum() / batch_size
+    if teacher_scores is not None:
+        student = group_maxsim(columns, rows, tile_elements or TILE_ELEMENTS) * scale
+        teacher = torch.as_tensor(teacher_scores, dtype=student.dtype, device=student.device)[rows]
+        loss = loss + distill_weight * distillation(student, teacher, distill_temperature).sum() / batch_size
+    return loss
+
+
+def loss_options(options):
+    """Of the options train.py builds a loss with, those maxsim_loss takes (check_flags refused the rest)."""
+    return {name: options[name] for name in ("scale", "distill_weight", "distill_temperature")}
+
+
+def group_maxsim(columns, rows, tile_elements):
+    """MaxSim of each anchor of `rows` (a slice) against its own group only, column c's row i (its positive,
+    then its hard negatives) -> rows x (1 + k); columns: TokenMatrices. Row by row (`own_row_maxsim`), in
+    pieces of rows that share an anchor block and a document block, each at most `tile_elements` token
+    similarities, recomputed in backward (checkpoint): no piece's similarities are held."""
+    local = torch.arange(rows.start, rows.stop)
+    anchors = block_of_each_row(columns[0])[local]
+    scores = []
+    for documents in columns[1:]:
+        where = block_of_each_row(documents)[local]
+        pairs = anchors[:, 0] * len(documents.blocks) + where[:, 0]
+        pieces, order = [], []
+        for pair in pairs.unique().tolist():
+            chosen = (pairs == pair).nonzero()[:, 0]  # positions among the local rows
+            queries = columns[0].blocks[pair // len(documents.blocks)]
+            candidates = documents.blocks[pair % len(documents.blocks)]
+            side = max(1, tile_elements // max(queries.shape[1] * candidates.shape[1], 1))
+            for piece in chosen.split(side):
+                positions = anchors[piece, 1].to(queries.device), where[piece, 1].to(queries.device)
+                pieces.append(checkpoint(rows_maxsim, queries, candidates, *positions, **RECOMPUTED))
+                order.append(piece)
+        scores.append(torch.cat(pieces)[torch.argsort(torch.cat(order)).to(pieces[0].device)])
+    return torch.stack(scores, dim=1)
+
+
+# torch's checkpoint without its RNG bookkeeping: MaxSim draws no random numbers.
+RECOMPUTED = {"use_reentrant": False, "preserve_rng_state": False}
+
+
+def rows_maxsim(queries, documents, query_rows, document_rows):
+    """own_row_maxsim of some rows of two blocks, the rows taken inside (a checkpoint then holds the blocks,
+    not copies of the rows)."""
+    return own_row_maxsim(queries[query_rows], documents[document_rows])
+
+
+def block_of_each_row(column):
+    """(block, position in the block) of each row of a TokenMatrices: rows x 2, in batch order."""
+    where = torch.empty(len(column), 2, dtype=torch.long)
+    for k, rows in enumerate(column.indices):
+        rows = rows.cpu()
+        where[rows] = torch.stack([torch.full_like(rows, k), torch.arange(len(rows))], dim=1)
+    return where
 
 
 def as_blocks(column):
