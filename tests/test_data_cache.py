@@ -8,6 +8,9 @@ import json
 import multiprocessing
 import os
 import random
+import signal
+import socket
+import time
 
 import datasets
 import pytest
@@ -103,6 +106,30 @@ def test_two_processes_converting_at_once_leave_one_whole_conversion(tmp_path, m
     assert tables[0] == tables[1] == raw_examples(source)
     assert [path.name.split("-")[0] for path in (tmp_path / "cache").iterdir()] == ["triples.jsonl"]
     assert rows(pairs.load_pairs(str(source))[0]) == raw_examples(source)  # the one kept, whole
+
+
+def test_a_conversion_killed_halfway_leaves_no_part_behind_the_next_one(tmp_path, monkeypatch):
+    """A conversion killed (the scheduler's SIGKILL, the kernel's out-of-memory killer) left its half-written
+    <name>.part-* folder in the cache for ever; the next conversion of the source removes it. A part of a
+    live process (converting now) or of another machine sharing the folder stays."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(records.CACHE_VARIABLE, str(cache))
+    source = write_triples(tmp_path / "triples.jsonl", 30_000)
+    context = multiprocessing.get_context("fork")
+    killed = context.Process(target=pairs.load_pairs, args=(str(source),))
+    killed.start()
+    deadline = time.monotonic() + 120
+    while not list(cache.glob("triples.jsonl-*.part-*/examples.arrow")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.join()
+    (abandoned,) = cache.glob("triples.jsonl-*.part-*")
+    assert f"{socket.gethostname()}-{killed.pid}-" in abandoned.name
+    live = cache / abandoned.name.replace(f"-{killed.pid}-", f"-{os.getpid()}-")
+    elsewhere = cache / abandoned.name.replace(socket.gethostname(), "another-node")
+    live.mkdir(), elsewhere.mkdir()
+    assert rows(pairs.load_pairs(str(source))[0]) == raw_examples(source)
+    assert sorted(cache.glob("triples.jsonl-*.part-*")) == sorted([live, elsewhere])
 
 
 def test_a_cache_folder_that_cannot_be_written_stops_in_one_line_naming_the_variable(tmp_path, monkeypatch):

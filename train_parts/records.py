@@ -6,10 +6,12 @@ Flags served: --data, --dev_data (through pairs.load_pairs); the cache folder mo
 variable GRADCACHE_DATA_CACHE (default: datasets' cache, HF_DATASETS_CACHE, in gradcache_pairs/).
 """
 
+import glob
 import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -64,7 +66,9 @@ def cached_table(name, key, convert, flag):
     if fresh:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            part = Path(tempfile.mkdtemp(prefix=f"{folder.name}.part-", dir=root))
+            remove_abandoned_parts(root, folder.name)
+            owner = f"{socket.gethostname()}-{os.getpid()}"
+            part = Path(tempfile.mkdtemp(prefix=f"{folder.name}.part-{owner}-", dir=root))
         except OSError as err:
             raise DataError(
                 f"{flag} {name}: cannot write the data cache in {root} ({err.strerror or err}). Set "
@@ -81,6 +85,28 @@ def cached_table(name, key, convert, flag):
             shutil.rmtree(part, ignore_errors=True)
     notes = json.loads((folder / "notes.json").read_text())
     return datasets.Dataset.from_file(str(folder / "data.arrow")), notes, fresh
+
+
+def remove_abandoned_parts(root, name):
+    """Removes the conversions of `name` left half-written by a process of this machine that is gone (killed
+    by the scheduler, out of memory): their folders name their host and process (<name>.part-<host>-<pid>-).
+    Parts of other machines sharing the folder are left to them."""
+    host = socket.gethostname()
+    for part in root.glob(f"{glob.escape(name)}.part-*"):
+        owner_host, _, rest = part.name[len(name) + len(".part-") :].rpartition("-")[0].rpartition("-")
+        pid = rest if owner_host == host else ""
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(part, ignore_errors=True)
+
+
+def process_alive(pid):
+    try:
+        os.kill(pid, 0)  # no signal sent: only whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 class ExampleWriter:
