@@ -132,6 +132,38 @@ def test_a_conversion_killed_halfway_leaves_no_part_behind_the_next_one(tmp_path
     assert sorted(cache.glob("triples.jsonl-*.part-*")) == sorted([live, elsewhere])
 
 
+def test_a_save_to_disk_folder_is_used_in_place_unless_a_record_needs_the_conversion(
+    tmp_path, monkeypatch, capsys
+):
+    """A save_to_disk folder is Arrow on disk already: its columns are used where they lie (no copy in the
+    cache), giving the rows the conversion of the same records gives. A bad text in it goes through the
+    conversion, which names it or, with --skip_bad_records, leaves it out."""
+    monkeypatch.setenv(records.CACHE_VARIABLE, str(tmp_path / "cache"))
+    draw = random.Random(0)
+    records_ = [
+        {"id": i, "neg2": f"m{i}", "query": f"a{i} {draw.random()}", "pos": f"p{i}", "neg1": f"n{i} \u00e9"}
+        for i in range(500)
+    ]
+    jsonl = tmp_path / "triples.jsonl"
+    jsonl.write_text("".join(json.dumps(record) + "\n" for record in records_))
+    datasets.Dataset.from_list(records_).save_to_disk(str(tmp_path / "saved"))
+    converted, _ = pairs.load_pairs(str(jsonl), "negatives=neg1+neg2")
+    in_place, skipped = pairs.load_pairs(str(tmp_path / "saved"), "negatives=neg1+neg2")
+    assert skipped == 0 and in_place.to_list() == converted.to_list()
+    assert [row["negative_2"] for row in in_place] == [record["neg2"] for record in records_]
+    assert all(file["filename"].startswith(str(tmp_path / "saved")) for file in in_place.cache_files)
+    assert [folder.name.split("-")[0] for folder in (tmp_path / "cache").iterdir()] == ["triples.jsonl"]
+    assert "(used in place: a save_to_disk folder)" in capsys.readouterr().out
+
+    records_[7]["pos"] = "  "  # blank: the conversion names it
+    datasets.Dataset.from_list(records_).save_to_disk(str(tmp_path / "blank"))
+    with pytest.raises(pairs.DataError, match=r"record 8 has field 'pos' empty"):
+        pairs.load_pairs(str(tmp_path / "blank"))
+    kept, skipped = pairs.load_pairs(str(tmp_path / "blank"), "negatives=neg1+neg2", skip_bad_records=True)
+    assert skipped == 1 and kept.to_list() == converted.to_list()[:7] + converted.to_list()[8:]
+    assert not kept.cache_files[0]["filename"].startswith(str(tmp_path / "blank"))  # converted, cached
+
+
 def test_a_cache_folder_that_cannot_be_written_stops_in_one_line_naming_the_variable(tmp_path, monkeypatch):
     blocked = tmp_path / "a_file"
     blocked.write_text("")

@@ -36,6 +36,8 @@ import datasets
 import huggingface_hub
 import numpy
 import pandas
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from sentence_transformers.base.sampler import NoDuplicatesBatchSampler
 from sentence_transformers.multi_vector_encoder.evaluation import MultiVectorInformationRetrievalEvaluator
@@ -70,6 +72,10 @@ def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000
     The checked records are converted once into a memory-mapped Arrow table (records.cached_table), read
     again only when the source or these options change."""
     kind, where, split = locate_data(source, flag)
+    if kind == "saved" and not teacher_scores:  # already Arrow on disk: used where it lies if it passes
+        saved = open_dataset(kind, where, split, source, flag)
+        if (in_place := saved_in_place(saved, source, columns, max_text_chars, say)) is not None:
+            return in_place, 0
     found = stamp(where if kind == "files" else [where] if kind == "saved" else [])
     if kind == "hub":  # its cached copy's fingerprint: a new download, a new conversion
         found = [where, split, open_dataset(kind, where, split, source, flag)._fingerprint]
@@ -79,6 +85,29 @@ def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000
     for line in notes["said"] if not fresh else ():  # what the conversion printed, said again
         say(line)
     return table, notes["skipped"]
+
+
+def saved_in_place(dataset, source, columns, max_chars, say):
+    """A save_to_disk folder's table used where it lies, memory-mapped, no copy in the cache: when each mapped
+    field is a column of texts and every text passes read_example's checks (Arrow counts them, column by
+    column), its columns selected and renamed (anchor, positive, negative_1...). Else None: it is converted
+    as any source, which names or skips the bad records and reads lists and teacher scores."""
+    present = collections.Counter(dict.fromkeys(dataset.column_names, len(dataset)))
+    fields, _ = mapped_fields(source, columns, present, False)
+    names = [field for _, field in fields]
+    if len(set(names)) < len(names):  # one field in two roles: the conversion copies it
+        return None
+    for field in names:
+        texts = dataset.data.column(field)
+        if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)):
+            return None
+        length, kept = pc.utf8_length(texts), pc.utf8_length(pc.utf8_trim_whitespace(texts))
+        bad = pc.or_(pc.equal(kept, 0), pc.greater(length, max_chars)).fill_null(True)  # empty, long, none
+        if pc.any(bad).as_py():
+            return None
+    say(f"train.py: {source}: {field_roles(fields, present)} (used in place: a save_to_disk folder)")
+    roles = ["anchor", "positive", *(f"negative_{k}" for k in range(1, len(names) - 1))]
+    return dataset.select_columns(names).rename_columns(dict(zip(names, roles, strict=True)))
 
 
 def convert_pairs(source, flag, options, say, folder):
