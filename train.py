@@ -1095,6 +1095,7 @@ def optimizer_step(accelerator, engine, optimizer, scheduler, args, progress, st
                 f"({streak.last_checkpoint or 'none was saved'}) with a lower --lr."
             )
     optimizer.zero_grad()
+    fsdp.complete_optimizer_state(accelerator, optimizer)  # what a resume under FSDP2 expects
     progress.nonfinite_steps += streak.window
     progress.skipped_steps += streak.window or overflow
     if streak.window or overflow:  # no update, no schedule, no gradient norm to log

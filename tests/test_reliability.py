@@ -31,10 +31,22 @@ FAULTS = Path(__file__).parent / "faults"
 RUN = ("--batch_size", 8, "--chunk_size", 3, "--lr", 1e-3, "--wandb_mode", "disabled", "--eval_steps", 1000)
 
 
-def launch_with_faults(output_dir, *args, faults=None, processes=1, check=True):
-    config = CONFIGS / ("cpu.yaml" if processes == 1 else "cpu_ddp_2proc.yaml")
-    env = {"PYTHONPATH": f"{FAULTS}{os.pathsep}{Path(__file__).parents[1]}", "ACCELERATE_USE_CPU": "true"}
+def launch_with_faults(output_dir, *args, faults=None, processes=1, check=True, fsdp2=False):
+    """train.py launched on CPU processes (cpu.yaml, cpu_ddp_2proc.yaml, or with `fsdp2` fsdp2.yaml through
+    tests/fsdp_shim.py) with tests/faults/sitecustomize.py's faults installed."""
+    config = CONFIGS / ("fsdp2.yaml" if fsdp2 else "cpu.yaml" if processes == 1 else "cpu_ddp_2proc.yaml")
+    env = fault_environment(Path(output_dir).parent, fsdp2) | {"ACCELERATE_USE_CPU": "true"}
     return launch(config, output_dir, *RUN, *args, processes=processes, env=env | (faults or {}), check=check)
+
+
+def fault_environment(folder, fsdp2=False):
+    """The environment of a launch with tests/faults' sitecustomize.py; under FSDP2 the shim's (written in
+    `folder`) runs it first."""
+    env = {"PYTHONPATH": f"{FAULTS}{os.pathsep}{Path(__file__).parents[1]}"}
+    if fsdp2:
+        env = shim_environment(folder, f"exec(open({str(FAULTS / 'sitecustomize.py')!r}).read())\n")
+        env |= {"PYTHONPATH": f"{env['PYTHONPATH']}{os.pathsep}{Path(__file__).parents[1]}"}
+    return env
 
 
 def run_with_faults(output_dir, *args, faults=None):
@@ -163,27 +175,32 @@ def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path, 
     assert logged_scalars(tmp_path / "stopped")["train/source"] == straight_sources
 
 
+@pytest.mark.parametrize("fsdp2", [False, True], ids=["ddp", "fsdp2"])
 def test_a_signal_to_the_launcher_saves_within_its_grace_whatever_the_step_length(
-    tmp_path, data, model_with_dropout
+    fsdp2, tmp_path, data, model_with_dropout
 ):
     """A scheduler's SIGTERM to `accelerate launch` (torchrun), which forwards it to the workers and kills
     them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds later: here 3 s, with step 3 made 2 s longer per backward
     than the grace in all (the save waited for the step's end, and none was written). The step stops at
     its next group, the state of its start is saved as step_2 at once, and the run resumes to the
-    uninterrupted run's weights bit for bit. The launcher itself exits 1 (torchrun's SignalException)."""
+    uninterrupted run's weights bit for bit. The launcher itself exits 1 (torchrun's SignalException).
+    Under DDP and under FSDP2 (each process saves its shard of the model and of AdamW's state)."""
     args = ("--model", model_with_dropout, "--data", data[0], "--max_steps", 4, "--save_steps", 0)
     faults = {"GRADCACHE_FAULT_SIGNAL_LAUNCHER": "3:2", "GRADCACHE_FAULT_RANK": "0"}
     grace = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"}
-    launch_with_faults(tmp_path / "straight", *args, processes=2)
-    stopped = launch_with_faults(tmp_path / "stopped", *args, faults=faults | grace, processes=2, check=False)
+    launch_with_faults(tmp_path / "straight", *args, processes=2, fsdp2=fsdp2)
+    stopped = launch_with_faults(
+        tmp_path / "stopped", *args, faults=faults | grace, processes=2, check=False, fsdp2=fsdp2
+    )
     checkpoint = tmp_path / "stopped" / "checkpoints" / "step_2"
     assert stopped.returncode == 1 and "SignalException" in stopped.stderr
     assert f"stopped by SIGTERM: saved {checkpoint}." in stopped.stdout, stopped.stdout[-2000:]
     assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["step_2"]
     resumed = launch_with_faults(
-        tmp_path / "stopped", *args, "--resume_from_checkpoint", "latest", processes=2
+        tmp_path / "stopped", *args, "--resume_from_checkpoint", "latest", processes=2, fsdp2=fsdp2
     )
     assert f"resumed from {checkpoint}:" in resumed.stdout
+    assert ("distributed_type: DistributedType.FSDP" in resumed.stdout) == fsdp2
     resumed, reference = weights(tmp_path / "stopped" / "final"), weights(tmp_path / "straight" / "final")
     assert all(torch.equal(resumed[name], reference[name]) for name in reference)
 
@@ -377,11 +394,7 @@ def test_a_non_finite_step_without_in_batch_negatives(config, tmp_path, data, mo
         final = weights(tmp_path / "final")
         assert all(torch.equal(final[name.removeprefix("model.")], step_1[name]) for name in step_1)
         return
-    env = {"PYTHONPATH": f"{FAULTS}{os.pathsep}{Path(__file__).parents[1]}", "GRADCACHE_FAULT_NAN": "2"}
-    if config == "fsdp2.yaml":  # the shim's sitecustomize running the faults' one first
-        env = shim_environment(tmp_path, f"exec(open({str(FAULTS / 'sitecustomize.py')!r}).read())\n")
-        env |= {"PYTHONPATH": f"{env['PYTHONPATH']}{os.pathsep}{Path(__file__).parents[1]}"}
-        env["GRADCACHE_FAULT_NAN"] = "2"
+    env = fault_environment(tmp_path, fsdp2=config == "fsdp2.yaml") | {"GRADCACHE_FAULT_NAN": "2"}
     processes = 2 if config == "fsdp2.yaml" else 1
     done = launch(CONFIGS / config, tmp_path, *RUN, *args, env=env, check=False, processes=processes)
     assert done.returncode != 0

@@ -9,6 +9,7 @@ import collections
 import contextlib
 import os
 
+import torch
 from accelerate import DistributedType
 
 import gradcache
@@ -16,7 +17,7 @@ import gradcache
 from .common import fail
 from .models import transformers_models
 
-__all__ = ["check_launch", "collective_passes", "prepare", "sync_context"]
+__all__ = ["check_launch", "collective_passes", "prepare", "sync_context", "complete_optimizer_state"]
 
 
 def check_launch(accelerator):
@@ -86,3 +87,32 @@ def sync_context(accelerator, engine):
             engine.set_requires_gradient_sync(outer_sync)
 
     return synchronizing
+
+
+def complete_optimizer_state(accelerator, optimizer):
+    """Under FSDP2, after the first update: optimizer state for the parameters that had no gradient (a BERT's
+    pooler under mean pooling), as torch's distributed checkpoint gives every parameter when it loads one
+    (`_init_optim_state`: a step at learning rate 0 on zero gradients). Without it, a checkpoint holds no
+    state for them and its resume stops with "Missing key in checkpoint state_dict: optimizer.state...".
+    Done once, in every run alike, so that a resumed run continues the uninterrupted one bit for bit."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper: the torch optimizer
+    if accelerator.distributed_type != DistributedType.FSDP or not optimizer.state:  # no update yet
+        return
+    stateless = [
+        p
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if p.requires_grad and not optimizer.state.get(p)
+    ]
+    if not stateless:
+        return
+    learning_rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for parameter in stateless:
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    for group, learning_rate in zip(optimizer.param_groups, learning_rates, strict=True):
+        group["lr"] = learning_rate
+    for parameter in stateless:
+        parameter.grad = None
