@@ -1140,7 +1140,7 @@ def finish(accelerator, model, args, sources, prompts, first_eval, last_eval, tr
     final.describe_training(model, config, described, evaluations, parser.get_default)
     final.save_final_model(accelerator, model, final_dir, args.merge_lora)
     trusted = ", trust_remote_code=True" if args.trust_remote_code else ""  # its own code loads only so
-    accelerator.print(f"saved {final_dir}: load it with {type(model).__name__}(path{trusted})")
+    accelerator.print(f"saved {final_dir}: load it with {final.loading_class(model).__name__}(path{trusted})")
     for name in ("mrr@10", "ndcg@10", "recall@10"):  # scored by the model's similarity: cosine, dot
         name = f"eval/dev_{model.similarity_fn_name}_{name}"
         if first_eval and last_eval:

@@ -155,6 +155,7 @@ def test_train_py_under_fsdp2_trains_exactly_saves_whole_and_resumes_bit_for_bit
     run = tmp_path / "run"
     done = launch_train(CONFIGS / "fsdp2.yaml", run, *common, processes=2, env=env)
     assert "DistributedType.FSDP" in done.stdout and "processes: 2" in done.stdout, done.stdout[-3000:]
+    assert f"saved {run / 'final'}: load it with SentenceTransformer(path)" in done.stdout  # not FSDP...
     float32, truth = (full_batch_replay(data, model_without_dropout, t, 2, sgd=True) for t in DTYPES)
     saved = weights(run / "final")
     run_updates = updates(saved, weights(model_without_dropout))

@@ -21,7 +21,7 @@ from test_sources import two_source_flags
 from test_train import logged_scalars, run_main, weights
 
 import train
-from train_parts import run
+from train_parts import logs, run
 
 RUN = ("--batch_size", 8, "--chunk_size", 3, "--lr", 1e-3, "--eval_steps", 1000, "--max_steps", 4)
 
@@ -309,6 +309,7 @@ def test_the_bar_shows_the_stage_of_a_step_and_warnings_print_above_it(
 
     monkeypatch.setattr(train, "gradient_cache_step", warning_step)
     monkeypatch.setattr(warnings, "showwarning", to_stderr)  # pytest would record it, not print it
+    monkeypatch.setattr(logs, "STAGE_SECONDS", 0.0)  # every stage shown (once a second in a run)
     flags = ("--model", model_without_dropout, "--data", data[0], *RUN, "--save_steps", 0, "--max_steps", 2)
     run_main(monkeypatch, *flags, "--output_dir", tmp_path / "run")
     out, err = capsys.readouterr()

@@ -14,7 +14,7 @@ import torch
 from .common import is_hub_name
 from .models import gathered_parameters, transformers_models
 
-__all__ = ["describe_training", "save_final_model", "merge_lora_adapters"]
+__all__ = ["describe_training", "save_final_model", "merge_lora_adapters", "loading_class"]
 
 # The flags of the loss, shown with it on the card (those that do not apply are left out: None).
 LOSS_FLAGS = ("scale", "similarity", "symmetric", "cross_process_negatives", "mask_repeated_texts")
@@ -117,3 +117,9 @@ def merge_lora_adapters(model):
                 setattr(transformer.get_submodule(parent), attribute, layer.get_base_layer())
         transformer._hf_peft_config_loaded = False  # else save_pretrained writes the adapter alone
         del transformer.peft_config
+
+
+def loading_class(model):
+    """The sentence-transformers class that loads the saved model (SentenceTransformer, SparseEncoder,
+    MultiVectorEncoder): FSDP2's fully_shard swaps the model's class for FSDP<class>."""
+    return next(cls for cls in type(model).__mro__ if cls.__module__.startswith("sentence_transformers"))

@@ -8,6 +8,7 @@ in a loss's `stats` are logged as train/<name> with no list to edit.
 import contextlib
 import dataclasses
 import functools
+import math
 import netrc
 import os
 import resource
@@ -183,16 +184,21 @@ def log_training(accelerator, progress, window, derived, batches_per_epoch, loss
     accelerator.log(metrics, step=progress.global_step)
 
 
+# The bar shows a step's stage at most this often: a job's log file keeps every redraw.
+STAGE_SECONDS = 1.0
+
+
 class StageOnBar:
     """gradcache's `interrupt(stage, group, groups)` that also shows on the progress bar where a step is
     ("encode 3/16", "backward 5/15"): a step of minutes left the bar frozen. `bar`: set once it exists."""
 
     def __init__(self, interrupt):
-        self.interrupt, self.bar = interrupt, None
+        self.interrupt, self.bar, self.shown = interrupt, None, -math.inf
 
     def __call__(self, stage, group, groups):
-        if self.bar is not None:
+        if self.bar is not None and time.monotonic() - self.shown >= STAGE_SECONDS:
             self.bar.set_description_str(f"{stage} {group + 1}/{groups}")
+            self.shown = time.monotonic()
         return self.interrupt()
 
 
