@@ -153,7 +153,13 @@ def test_a_save_to_disk_folder_is_used_in_place_unless_a_record_needs_the_conver
     assert [row["negative_2"] for row in in_place] == [record["neg2"] for record in records_]
     assert all(file["filename"].startswith(str(tmp_path / "saved")) for file in in_place.cache_files)
     assert [folder.name.split("-")[0] for folder in (tmp_path / "cache").iterdir()] == ["triples.jsonl"]
-    assert "(used in place: a save_to_disk folder)" in capsys.readouterr().out
+    assert f"(used in place: {tmp_path / 'saved'})" in capsys.readouterr().out
+    # A hub data set: datasets' cached copy, memory-mapped as a saved folder is (standing in for it here)
+    with monkeypatch.context() as hub_path:
+        hub_path.setattr(pairs, "locate_data", lambda source, flag: ("hub", source, None))
+        hub_path.setattr(pairs, "open_dataset", lambda *_: datasets.load_from_disk(str(tmp_path / "saved")))
+        hub, _ = pairs.load_pairs("org/triples", "negatives=neg1+neg2")
+    assert hub.to_list() == converted.to_list() and hub.cache_files == in_place.cache_files
 
     records_[7]["pos"] = "  "  # blank: the conversion names it
     datasets.Dataset.from_list(records_).save_to_disk(str(tmp_path / "blank"))

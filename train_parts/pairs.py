@@ -72,13 +72,13 @@ def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000
     The checked records are converted once into a memory-mapped Arrow table (records.cached_table), read
     again only when the source or these options change."""
     kind, where, split = locate_data(source, flag)
-    if kind == "saved" and not teacher_scores:  # already Arrow on disk: used where it lies if it passes
-        saved = open_dataset(kind, where, split, source, flag)
-        if (in_place := saved_in_place(saved, source, columns, max_text_chars, say)) is not None:
+    arrow = open_dataset(kind, where, split, source, flag) if kind in ("saved", "hub") else None
+    if arrow is not None and not teacher_scores:  # Arrow on disk already: used where it lies if it passes
+        if (in_place := arrow_in_place(arrow, source, columns, max_text_chars, say)) is not None:
             return in_place, 0
     found = stamp(where if kind == "files" else [where] if kind == "saved" else [])
     if kind == "hub":  # its cached copy's fingerprint: a new download, a new conversion
-        found = [where, split, open_dataset(kind, where, split, source, flag)._fingerprint]
+        found = [where, split, arrow._fingerprint]
     options = (columns, skip_bad_records, max_text_chars, teacher_scores)
     convert = lambda folder: convert_pairs(source, flag, options, say, folder)  # noqa: E731
     table, notes, fresh = cached_table(source, [found, split, flag, options], convert, flag)
@@ -87,11 +87,14 @@ def load_pairs(source, columns="", skip_bad_records=False, max_text_chars=20_000
     return table, notes["skipped"]
 
 
-def saved_in_place(dataset, source, columns, max_chars, say):
-    """A save_to_disk folder's table used where it lies, memory-mapped, no copy in the cache: when each mapped
-    field is a column of texts and every text passes read_example's checks (Arrow counts them, column by
-    column), its columns selected and renamed (anchor, positive, negative_1...). Else None: it is converted
-    as any source, which names or skips the bad records and reads lists and teacher scores."""
+def arrow_in_place(dataset, source, columns, max_chars, say):
+    """A save_to_disk folder's table, or a hub data set's in datasets' cache, used where it lies
+    (memory-mapped, no copy in our cache) when each mapped field is a column of texts and every text passes
+    read_example's checks (Arrow counts them, column by column): its columns selected and renamed (anchor,
+    positive, negative_1...). Else None: it is converted as any source, which names or skips the bad
+    records and reads lists and teacher scores."""
+    if not dataset.cache_files:  # held in memory: the conversion maps it from disk
+        return None
     present = collections.Counter(dict.fromkeys(dataset.column_names, len(dataset)))
     fields, _ = mapped_fields(source, columns, present, False)
     names = [field for _, field in fields]
@@ -105,7 +108,8 @@ def saved_in_place(dataset, source, columns, max_chars, say):
         bad = pc.or_(pc.equal(kept, 0), pc.greater(length, max_chars)).fill_null(True)  # empty, long, none
         if pc.any(bad).as_py():
             return None
-    say(f"train.py: {source}: {field_roles(fields, present)} (used in place: a save_to_disk folder)")
+    where = Path(dataset.cache_files[0]["filename"]).parent
+    say(f"train.py: {source}: {field_roles(fields, present)} (used in place: {where})")
     roles = ["anchor", "positive", *(f"negative_{k}" for k in range(1, len(names) - 1))]
     return dataset.select_columns(names).rename_columns(dict(zip(names, roles, strict=True)))
 
