@@ -643,17 +643,47 @@ def multi_vector_targets(saved):
         f"{settings['hard_negatives']} hard negative(s) a query)"
     )
     word = f"{'met' if ratio <= MULTI_VECTOR_FLAT_TARGET else 'missed'}: {ratio:.2f}x"
-    why = []
+    why = [multi_vector_miss(small, large)] if ratio > MULTI_VECTOR_FLAT_TARGET else []
     if (small["batch_size"], large["batch_size"]) != MULTI_VECTOR_BATCHES:
         word += f", at batches {small['batch_size']:,} and {large['batch_size']:,}"
         why.append(multi_vector_unrun(points, MULTI_VECTOR_BATCHES[1]))
     return [[target, measured, word], multi_vector_beside_st(points, settings)], why
 
 
+MULTI_VECTOR_PHASES = {
+    "loss": "stage 2's loss",
+    "report": "stage 2's check of the gradients",
+    "chunks": "the chunks of stage 1 or 3",
+}
+
+
 def peak_stage(point):
-    """Where a step peaked: stage 2, the loss, or the chunks of stages 1 and 3."""
+    """Where a multi-vector step peaked (multi_vector_memory.py's phases)."""
     peaks = point["phase_peak_bytes"]
-    return "stage 2" if peaks["loss"] >= peaks["chunks"] else "the chunks of stage 1 or 3"
+    return MULTI_VECTOR_PHASES[max(peaks, key=peaks.get)]
+
+
+def multi_vector_miss(small, large):
+    """The readings behind ours' rest growing: where the larger batch peaked; what stage 2's loss holds
+    beyond the token matrices and their gradients; what its check of the gradients allocates."""
+
+    def beyond(point):
+        return point["phase_peak_bytes"]["loss"] - 2 * point["token_matrix_bytes"]
+
+    batches = f"batch {small['batch_size']:,} and {large['batch_size']:,}"
+    note = (
+        f"Multi-vector, ours: at batch {large['batch_size']:,} the step peaks in {peak_stage(large)}. Stage "
+        f"2's loss holds, beyond the token matrices and their gradients, {mib(beyond(small))} and "
+        f"{mib(beyond(large))} at {batches} ({beyond(large) / beyond(small):.2f}x)."
+    )
+    if "report" in large["phase_added_bytes"]:
+        added = [p["phase_added_bytes"]["report"] for p in (small, large)]
+        note += (
+            " Its check of the gradients (gradcache.stage_two_report: their norm, all finite) allocates "
+            f"{mib(added[0])} and {mib(added[1])} above its start at {batches}, "
+            f"{added[1] / large['token_matrix_gradient_bytes']:.1f}x the gradients' bytes."
+        )
+    return note
 
 
 def multi_vector_beside_st(points, settings):
@@ -670,16 +700,16 @@ def multi_vector_beside_st(points, settings):
     ours, st = points["ours", batch], points["st", batch]
     stopped = sorted(b for m, b in points if m == "st" and not points[m, b]["fits"])
 
-    def pair(key, phase=None):
-        def read(p):
-            return p[key] if phase is None else p[key][phase]
-
+    def pair(read):
         return f"{mib(read(ours))} against {mib(read(st))} ({read(ours) / read(st):.2f}x)"
 
+    def stage_two(point):  # the loss, and ours' check of the gradients
+        return max(point["phase_peak_bytes"].get(phase, 0) for phase in ("loss", "report"))
+
     measured = (
-        f"batch {batch:,}, ours against st: step peak {pair('step_peak_bytes')}; beyond the token matrices "
-        f"and their gradients {pair('rest_bytes')}; the chunks (stages 1 and 3) "
-        f"{pair('phase_peak_bytes', 'chunks')}; stage 2 {pair('phase_peak_bytes', 'loss')}; step time "
+        f"batch {batch:,}, ours against st: step peak {pair(lambda p: p['step_peak_bytes'])}; beyond the "
+        f"token matrices and their gradients {pair(lambda p: p['rest_bytes'])}; the chunks (stages 1 and 3) "
+        f"{pair(lambda p: p['phase_peak_bytes']['chunks'])}; stage 2 {pair(stage_two)}; step time "
         f"{ours['seconds']:.0f} s against {st['seconds']:.0f} s ({ours['seconds'] / st['seconds']:.2f}x), "
         f"stage 2 {ours['loss_seconds']:.0f} s against {st['loss_seconds']:.0f} s"
     )

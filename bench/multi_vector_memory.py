@@ -21,10 +21,11 @@ Each point runs in a fresh process (unless --one_process: the smoke's) and reads
 the peak above the state just before the step (a warm-up step at batch 8 has run): on CPU the resident
 set's high-water mark (glibc's mmap threshold fixed, so that freed tensors leave it), on CUDA
 max_memory_allocated; stage 2 (the loss over the whole batch and the gradients of its token matrices) is
-read apart from the chunks of stages 1 and 3. The token matrices are the bytes of what the loss receives
-(for st its embeddings and masks); their gradients are as large; the rest is the step's peak less both. st
-runs under --cap_gib and stops at the first batch that does not fit; the comparison is at the largest batch
-it fits.
+read apart from the chunks of stages 1 and 3, and in ours its check of the token matrices' gradients
+(their norm, all finite: gradcache.stage_two_report) apart from the loss. The token matrices are the bytes
+of what the loss receives (for st its embeddings and masks); their gradients are as large; the rest is the
+step's peak less both. st runs under --cap_gib and stops at the first batch that does not fit; the
+comparison is at the largest batch it fits.
 
     python bench/multi_vector_memory.py                             # CPU: batches 256 and 1,024, ~15 min
     python bench/multi_vector_memory.py --device cuda --preset gpu  # one GPU: batches 1,024 and 4,096
@@ -41,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import unittest.mock
 from pathlib import Path
 
 import harness
@@ -56,6 +58,7 @@ METHOD_LABELS = {
     "st": "sentence-transformers CachedMultiVectorMNRL",
 }
 WARMUP_BATCH = 8
+PHASES = ("loss", "report", "chunks")  # Stages' readings, as the table shows them
 # The CPU's time goes to stage 2, every query's MaxSim against every document of the batch (16 x 180 token
 # pairs each), which grows with the square of the batch: on 2 cores the batch stops at 1,024 (4,096 would
 # take hours a step), and the pairs have no hard negatives (a column of them doubles the documents).
@@ -120,8 +123,9 @@ def random_texts(tokenizer, num_rows, hard_negatives, query_tokens, document_tok
 
 
 class Stages:
-    """The step's peak per stage (harness.PeakMeter: "loss", stage 2, apart from "chunks", stages 1 and 3),
-    stage 2's seconds, and the shapes and bytes of the token matrices stage 2 receives."""
+    """The step's peak per stage (harness.PeakMeter: "loss", stage 2, apart from "chunks", stages 1 and 3;
+    ours_step adds "report"), stage 2's seconds, and the shapes and bytes of the token matrices stage 2
+    receives."""
 
     def __init__(self, device):
         self.meter = harness.PeakMeter(device, "chunks")
@@ -149,6 +153,7 @@ def ours_step(folder, device, chunk_size):
     runs it, then AdamW; and the model."""
     from accelerate import Accelerator
 
+    import gradcache
     import train
     from train_parts import fsdp, models
     from train_parts.common import flags_of
@@ -167,7 +172,7 @@ def ours_step(folder, device, chunk_size):
     engine, optimizer = fsdp.prepare(accelerator, models.training_module(model, [source]), adamw)
     engine.train()
     loss_fn = train.loss_function(source, model)
-    backward = accelerator.backward
+    backward, stage_two_report = accelerator.backward, gradcache.stage_two_report
 
     def step(batch, stages):
         @functools.wraps(loss_fn)  # its signature: train.py binds the side data the loss declares
@@ -175,15 +180,22 @@ def ours_step(folder, device, chunk_size):
             stages.loss_begins([column.blocks for column in columns])
             return loss_fn(*columns, **side_data)
 
+        def metered_report(*arguments):  # stage 2's check of the gradients (their norm, all finite), apart
+            stages.meter.switch("report")
+            report = stage_two_report(*arguments)
+            stages.meter.switch("loss")
+            return report
+
         def metered_backward(surrogate):  # stage 3's first backward ends stage 2
             stages.loss_ends()
             backward(surrogate)
 
         # train.gradient_cache_step hands gradcache accelerator.backward
         accelerator.backward = metered_backward
-        report = train.gradient_cache_step(
-            accelerator, engine, model, prompts, metered_loss, source, batch, {"chunk_size": chunk_size}
-        )
+        with unittest.mock.patch.object(gradcache, "stage_two_report", metered_report):
+            report = train.gradient_cache_step(
+                accelerator, engine, model, prompts, metered_loss, source, batch, {"chunk_size": chunk_size}
+            )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return report.loss
@@ -265,8 +277,9 @@ def measure_point(method, folder, batch_size, device, chunk_size, texts_shape, c
         "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "baseline_bytes": stages.meter.baseline,
         "step_peak_bytes": peak,
-        "phase_peak_bytes": stages.meter.peaks,  # chunks: stages 1 and 3; loss: stage 2
-        "phase_added_bytes": stages.meter.added,  # loss: stage 2 above what the step held at its start
+        # chunks: stages 1 and 3; loss: stage 2; report (ours): stage 2's check of the gradients
+        "phase_peak_bytes": stages.meter.peaks,
+        "phase_added_bytes": stages.meter.added,  # each phase above what the step held at its start
         "token_matrix_bytes": stages.token_matrix_bytes,
         "token_matrix_gradient_bytes": stages.token_matrix_bytes,  # one gradient per value, as large
         "rest_bytes": peak - 2 * stages.token_matrix_bytes,
@@ -316,7 +329,8 @@ def measure(args):
 def table(points, args):
     header = [
         "method", "batch", "tokens: query / document", "step peak (MiB)", "token matrices (MiB)",
-        "their gradients (MiB)", "the rest (MiB)", "peak of stage 2 / of the chunks (MiB)", "stage 2 (s)",
+        "their gradients (MiB)", "the rest (MiB)",
+        "peak of stage 2's loss / of its check of the gradients / of the chunks (MiB)", "stage 2 (s)",
         "step (s)",
     ]  # fmt: skip
     rows = []
@@ -331,7 +345,7 @@ def table(points, args):
             label, point["batch_size"], f"{point['widths']['query']} / {point['widths']['document']}",
             harness.mib(point["step_peak_bytes"]), harness.mib(point["token_matrix_bytes"]),
             harness.mib(point["token_matrix_gradient_bytes"]), harness.mib(point["rest_bytes"]),
-            f"{harness.mib(peaks['loss'])} / {harness.mib(peaks['chunks'])}",
+            " / ".join(harness.mib(peaks[phase]) if phase in peaks else "-" for phase in PHASES),
             f"{point['loss_seconds']:.0f}", f"{point['seconds']:.0f}",
         ])  # fmt: skip
     where = "every point in this one process" if args.one_process else "each point in a fresh process"
