@@ -256,7 +256,8 @@ def measure_point(method, folder, batch_size, device, chunk_size, texts_shape, c
     stages = Stages(device)
     if cap_bytes is not None:
         harness.cap_process_memory(device, cap_bytes)
-    started = time.perf_counter()
+    # and the CPU time: on a shared machine the wall time follows the others' load, which varies
+    load_average, started, cpu_started = os.getloadavg()[0], time.perf_counter(), time.process_time()
     try:
         step(batch, stages)
         fits = True
@@ -265,7 +266,7 @@ def measure_point(method, folder, batch_size, device, chunk_size, texts_shape, c
             raise
         fits = False
     harness.synchronize(device)
-    seconds = time.perf_counter() - started
+    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     stages.meter.switch("done")
     peak = max(stages.meter.peaks.values())
     return {
@@ -273,6 +274,8 @@ def measure_point(method, folder, batch_size, device, chunk_size, texts_shape, c
         "batch_size": batch_size,
         "fits": fits,
         "seconds": seconds,
+        "cpu_seconds": cpu_seconds,  # of every thread of the process
+        "load_average": load_average,  # the machine's, at the step's start
         "loss_seconds": stages.loss_seconds,
         "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "baseline_bytes": stages.meter.baseline,
@@ -331,14 +334,14 @@ def table(points, args):
         "method", "batch", "tokens: query / document", "step peak (MiB)", "token matrices (MiB)",
         "their gradients (MiB)", "the rest (MiB)",
         "peak of stage 2's loss / of its check of the gradients / of the chunks (MiB)", "stage 2 (s)",
-        "step (s)",
+        "step (s)", "step, CPU time (s)", "load average at its start",
     ]  # fmt: skip
     rows = []
     for point in points:
         label = METHOD_LABELS[point["method"]]
         if not point["fits"]:
             cap = "device memory" if args.cap_gib is None else f"{harness.mib(args.cap_gib * 2**30)} MiB"
-            rows.append([label, point["batch_size"], "-", f"did not fit in {cap}", *["-"] * 6])
+            rows.append([label, point["batch_size"], "-", f"did not fit in {cap}", *["-"] * 8])
             continue
         peaks = point["phase_peak_bytes"]
         rows.append([
@@ -346,7 +349,8 @@ def table(points, args):
             harness.mib(point["step_peak_bytes"]), harness.mib(point["token_matrix_bytes"]),
             harness.mib(point["token_matrix_gradient_bytes"]), harness.mib(point["rest_bytes"]),
             " / ".join(harness.mib(peaks[phase]) if phase in peaks else "-" for phase in PHASES),
-            f"{point['loss_seconds']:.0f}", f"{point['seconds']:.0f}",
+            f"{point['loss_seconds']:.0f}", f"{point['seconds']:.0f}", f"{point['cpu_seconds']:.0f}",
+            f"{point['load_average']:.1f}",
         ])  # fmt: skip
     where = "every point in this one process" if args.one_process else "each point in a fresh process"
     intro = (

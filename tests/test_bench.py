@@ -396,7 +396,7 @@ def test_make_results_assembles_every_section(results_dir, smoke_run):
     ):
         assert re.search(rf"\| {target}.*\| (met.*|missed.*|not measured.*) \|", targets)
     beside = (
-        r"\| a multi-vector step beside sentence-transformers' .*\| measured: ours / st, peak [\d.]+x, time"
+        r"\| a multi-vector step beside sentence-transformers' .*\| measured: ours / st, peak [\d.]+x, CPU"
     )
     assert re.search(beside, targets)
     verdicts = r"(holds at every chunk size, by [\d.]+% to [\d.]+%|not at chunk .*)"
