@@ -396,7 +396,8 @@ def test_make_results_assembles_every_section(results_dir, smoke_run):
     ):
         assert re.search(rf"\| {target}.*\| (met.*|missed.*|not measured.*) \|", targets)
     beside = (
-        r"\| a multi-vector step beside sentence-transformers' .*\| measured: ours / st, peak [\d.]+x, CPU"
+        r"\| a multi-vector step beside sentence-transformers' .*\| measured: ours / st, "
+        r"peak [\d.]+x, wall time [\d.]+x, CPU time [\d.]+x \|"
     )
     assert re.search(beside, targets)
     verdicts = r"(holds at every chunk size, by [\d.]+% to [\d.]+%|not at chunk .*)"
