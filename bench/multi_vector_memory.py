@@ -61,7 +61,7 @@ WARMUP_BATCH = 8
 PHASES = ("loss", "report", "chunks")  # Stages' readings, as the table shows them
 # The CPU's time goes to stage 2, every query's MaxSim against every document of the batch (16 x 180 token
 # pairs each), which grows with the square of the batch: on 2 cores the batch stops at 1,024 (4,096 would
-# take hours a step), and the pairs have no hard negatives (a column of them doubles the documents).
+# take 16 times as long there), and the pairs have no hard negatives (a column of them doubles the documents).
 PRESETS = {
     "cpu": {"batch_sizes": [256, 1024], "hard_negatives": 0, "query_tokens": 16, "document_tokens": 180,
             "chunk_size": 32, "hidden_size": 128, "num_layers": 2, "cap_gib": 8.0, "one_process": False},
