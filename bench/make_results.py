@@ -28,6 +28,8 @@ SECTIONS = {
     "budget": "7. Budgeted Gradient Cache: the stage-1 graphs kept against the no-cache lower bound",
     "data_scale": "8. Data beyond memory: millions of triples converted once, memory-mapped by 2 processes",
     "sharding_memory": "9. Sharded models: peak memory per process under DDP, ZeRO-3 and FSDP2",
+    "multi_vector_memory": "10. Multi-vector (ColBERT) models: a step's memory beyond its token matrices, "
+    "beside sentence-transformers' cached loss",
 }
 BUDGET_ALL_TARGET, BUDGET_LINEAR_POINTS = 1.05, 0.05  # every graph kept: the lower bound's compute
 DEVICES = {"cpu": "", "gpu": " --device cuda --preset gpu", "smoke": " --preset smoke"}
@@ -54,6 +56,9 @@ MASKED_LOSS_TARGET = (16384, 2**30)  # with the false-negative masks on, their i
 GROUP_SPEED_TARGET = 1.0
 # A sparse step beyond its vocabulary-sized representations and their gradients: flat in the batch
 SPARSE_FLAT_TARGET = 1.25  # at the larger batch, at most this times the smaller batch's
+# A multi-vector (ColBERT) step beyond its token matrices and their gradients: flat in the batch, asked of
+# batches 1,024 and 4,096
+MULTI_VECTOR_FLAT_TARGET, MULTI_VECTOR_BATCHES = 1.25, (1024, 4096)
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--results_dir", default=str(BENCH_DIR / "results"))
@@ -612,6 +617,137 @@ def sharding_targets(saved):
     return rows, []
 
 
+def multi_vector_targets(saved):
+    """A multi-vector step (multi_vector_memory.py): what ours holds beyond its token matrices and their
+    gradients, from its smallest batch to its largest; beside sentence-transformers' cached loss at the
+    largest batch that loss fit. Where the asked batches did not run, the time they would take here."""
+    settings = saved["settings"]
+    points = {(p["method"], p["batch_size"]): p for p in saved["results"]}
+    ours = sorted(b for m, b in points if m == "ours" and points[m, b]["fits"])
+    small, large = points["ours", ours[0]], points["ours", ours[-1]]
+    ratio = large["rest_bytes"] / small["rest_bytes"]
+    target = (
+        "a multi-vector (ColBERT) step holds, beyond its cached token matrices and their gradients, at most "
+        f"{MULTI_VECTOR_FLAT_TARGET}x as much at the larger batch as at the smaller (asked of batches "
+        f"{MULTI_VECTOR_BATCHES[0]:,} and {MULTI_VECTOR_BATCHES[1]:,})"
+    )
+    measured = "; ".join(
+        f"batch {p['batch_size']:,}: step peak {mib(p['step_peak_bytes'])} (in {peak_stage(p)}), token "
+        f"matrices {mib(p['token_matrix_bytes'])}, their gradients {mib(p['token_matrix_gradient_bytes'])}, "
+        f"the rest {mib(p['rest_bytes'])}"
+        for p in (small, large)
+    )
+    measured += (
+        f" ({ratio:.2f}x the rest for {large['batch_size'] / small['batch_size']:.0f}x the batch; queries of "
+        f"{settings['query_tokens']} tokens, documents of {settings['document_tokens']}, "
+        f"{settings['hard_negatives']} hard negative(s) a query)"
+    )
+    word = f"{'met' if ratio <= MULTI_VECTOR_FLAT_TARGET else 'missed'}: {ratio:.2f}x"
+    why = [multi_vector_miss(small, large)] if ratio > MULTI_VECTOR_FLAT_TARGET else []
+    if (small["batch_size"], large["batch_size"]) != MULTI_VECTOR_BATCHES:
+        word += f", at batches {small['batch_size']:,} and {large['batch_size']:,}"
+        why.append(multi_vector_unrun(points, MULTI_VECTOR_BATCHES[1]))
+    return [[target, measured, word], multi_vector_beside_st(points, settings)], why
+
+
+MULTI_VECTOR_PHASES = {
+    "loss": "stage 2's loss",
+    "report": "stage 2's check of the gradients",
+    "chunks": "the chunks of stage 1 or 3",
+}
+
+
+def peak_stage(point):
+    """Where a multi-vector step peaked (multi_vector_memory.py's phases)."""
+    peaks = point["phase_peak_bytes"]
+    return MULTI_VECTOR_PHASES[max(peaks, key=peaks.get)]
+
+
+def multi_vector_miss(small, large):
+    """The readings behind ours' rest growing: where the larger batch peaked; what stage 2's loss holds
+    beyond the token matrices and their gradients; what its check of the gradients allocates."""
+
+    def beyond(point):
+        return point["phase_peak_bytes"]["loss"] - 2 * point["token_matrix_bytes"]
+
+    batches = f"batch {small['batch_size']:,} and {large['batch_size']:,}"
+    note = (
+        f"Multi-vector, ours: at batch {large['batch_size']:,} the step peaks in {peak_stage(large)}. Stage "
+        f"2's loss holds, beyond the token matrices and their gradients, {mib(beyond(small))} and "
+        f"{mib(beyond(large))} at {batches} ({beyond(large) / beyond(small):.2f}x)."
+    )
+    if "report" in large["phase_added_bytes"]:
+        added = [p["phase_added_bytes"]["report"] for p in (small, large)]
+        note += (
+            " Its check of the gradients (gradcache.stage_two_report: their norm, all finite) allocates "
+            f"{mib(added[0])} and {mib(added[1])} above its start at {batches}, "
+            f"{added[1] / large['token_matrix_gradient_bytes']:.1f}x the gradients' bytes."
+        )
+    return note
+
+
+def multi_vector_beside_st(points, settings):
+    """Ours against sentence-transformers' cached multi-vector loss at the largest batch that loss fit."""
+    cap = f"{settings['cap_gib']:g} GiB beyond the process" if settings.get("cap_gib") else "no memory cap"
+    target = (
+        "a multi-vector step beside sentence-transformers' CachedMultiVectorMultipleNegativesRankingLoss at "
+        f"the largest batch it fits ({cap}), side by side in one run"
+    )
+    fitting = sorted(b for m, b in points if m == "st" and points[m, b]["fits"])
+    if not fitting or ("ours", fitting[-1]) not in points:
+        return [target, "-", "not measured"]
+    batch = fitting[-1]
+    ours, st = points["ours", batch], points["st", batch]
+    stopped = sorted(b for m, b in points if m == "st" and not points[m, b]["fits"])
+
+    def pair(read):
+        return f"{mib(read(ours))} against {mib(read(st))} ({read(ours) / read(st):.2f}x)"
+
+    def stage_two(point):  # the loss, and ours' check of the gradients
+        return max(point["phase_peak_bytes"].get(phase, 0) for phase in ("loss", "report"))
+
+    measured = (
+        f"batch {batch:,}, ours against st: step peak {pair(lambda p: p['step_peak_bytes'])}; beyond the "
+        f"token matrices and their gradients {pair(lambda p: p['rest_bytes'])}; the chunks (stages 1 and 3) "
+        f"{pair(lambda p: p['phase_peak_bytes']['chunks'])}; stage 2 {pair(stage_two)}; a step's CPU time "
+        f"{ours['cpu_seconds']:.0f} s against {st['cpu_seconds']:.0f} s; its wall time "
+        f"{ours['seconds']:.0f} s against {st['seconds']:.0f} s, the load average "
+        f"{ours['load_average']:.1f} and {st['load_average']:.1f} at their starts (stage 2 "
+        f"{ours['loss_seconds']:.0f} s against {st['loss_seconds']:.0f} s)"
+    )
+    measured += f"; batch {stopped[0]:,} did not fit" if stopped else "; st fit at every batch run"
+    peak, wall = ours["step_peak_bytes"] / st["step_peak_bytes"], ours["seconds"] / st["seconds"]
+    cpu = ours["cpu_seconds"] / st["cpu_seconds"]
+    return [
+        target,
+        measured,
+        f"measured: ours / st, peak {peak:.2f}x, wall time {wall:.2f}x, CPU time {cpu:.2f}x",
+    ]
+
+
+def multi_vector_unrun(points, batch):
+    """What a step at the asked `batch` would take here, from the two largest batches run: stage 2's seconds
+    (every query's MaxSim against every document) extrapolated at their measured growth, the rest of the
+    step in proportion to the batch."""
+    notes = []
+    for method in ("ours", "st"):
+        runs = {b: p for (m, b), p in points.items() if m == method and p["fits"]}
+        if len(runs) < 2:
+            continue
+        largest = max(runs)
+        exponent = growth_exponent(runs, lambda p: p["loss_seconds"])
+        point, scale = runs[largest], batch / largest
+        minutes = (
+            point["loss_seconds"] * scale**exponent + (point["seconds"] - point["loss_seconds"]) * scale
+        ) / 60
+        notes.append(
+            f"{method}: a step at batch {largest:,} took {point['seconds']:.0f} s, "
+            f"{point['loss_seconds']:.0f} s of it in stage 2, whose time grew as batch^{exponent:.1f} over "
+            f"the two largest batches: about {minutes:.0f} min a step at {batch:,}"
+        )
+    return f"Multi-vector: batch {batch:,} was not run on this machine; " + "; ".join(notes) + "."
+
+
 def model_name(point):
     layers = point.get("num_layers")
     return "full model" if layers is None else f"model cut to its first {layers} layer(s)"
@@ -674,6 +810,7 @@ def main(argv=None):
         "budget": budget_targets,
         "data_scale": data_scale_targets,
         "sharding_memory": sharding_targets,
+        "multi_vector_memory": multi_vector_targets,
     }
     target_rows, why = [], []
     for name, check in checks.items():
@@ -696,7 +833,9 @@ def main(argv=None):
         "**ours** (`gradcache.gradcache_step`) and **ST cached** (sentence-transformers' "
         "`CachedMultipleNegativesRankingLoss`) at the same chunk: the same number of examples, or the same "
         "token budget where a section says so. Section 5 also measures the loss stage alone on random "
-        "representations; section 6 compares ours with and without gradient checkpointing.",
+        "representations; section 6 compares ours with and without gradient checkpointing; section 10 "
+        "trains a multi-vector (ColBERT) model beside sentence-transformers' "
+        "`CachedMultiVectorMultipleNegativesRankingLoss`.",
         "",
         f"## Targets (checked on the {checked} results)",
         "",

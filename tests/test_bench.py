@@ -51,7 +51,7 @@ def results_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("bench_results")
 
 
-SCRIPTS = ("memory", "speed", "memory_cap", "quality", "scale", "checkpointing")
+SCRIPTS = ("memory", "speed", "memory_cap", "quality", "scale", "checkpointing", "multi_vector_memory")
 
 
 @pytest.fixture(scope="module")
@@ -326,6 +326,28 @@ def test_checkpointing_measured_as_train_py_applies_it(smoke_run):
     assert "| chunk (examples) | peak without (MiB) | peak with (MiB) |" in markdown
 
 
+def test_multi_vector_memory_splits_the_peak_into_token_matrices_their_gradients_and_the_rest(smoke_run):
+    """A ColBERT step as train.py runs it and sentence-transformers' cached multi-vector loss, each at both
+    batches: the token matrices counted are the batch's, at the texts' own lengths."""
+    saved, markdown = smoke_run("multi_vector_memory")
+    settings, points = saved["settings"], saved["results"]
+    ran = [(point["method"], point["batch_size"]) for point in points]
+    assert ran == [(method, batch) for method in ("ours", "st") for batch in settings["batch_sizes"]]
+    queries, documents = settings["query_tokens"], settings["document_tokens"]
+    tokens = queries + documents * (1 + settings["hard_negatives"])  # a row's, every text at its length
+    for point in points:
+        ours = point["method"] == "ours"
+        assert point["fits"] and point["loss_seconds"] > 0
+        # ours' stage 2 also read in its check of the gradients (gradcache.stage_two_report)
+        assert set(point["phase_peak_bytes"]) == {"chunks", "loss", *(["report"] if ours else [])}
+        # ours: 128 dimensions and the scoring mask as a channel, fp32; st: fp32 embeddings, boolean masks
+        assert point["widths"] == {"query": queries, "document": documents, "channels": 129 if ours else 128}
+        per_token = 129 * 4 if ours else 128 * 4 + 1
+        assert point["token_matrix_bytes"] == point["batch_size"] * tokens * per_token
+        assert point["rest_bytes"] == point["step_peak_bytes"] - 2 * point["token_matrix_bytes"]
+    assert "| the rest (MiB) |" in markdown and "CachedMultiVectorMNRL" in markdown
+
+
 def test_a_run_with_uncommitted_changes_is_refused_or_marked(monkeypatch):
     import harness
 
@@ -370,8 +392,14 @@ def test_make_results_assembles_every_section(results_dir, smoke_run):
         "a full training step at batch",
         "without in-batch negatives, group_step's memory stays one chunk",
         "a sparse encoder's step holds, beyond its vocabulary-sized representations",
+        "a multi-vector \\(ColBERT\\) step holds, beyond its cached token matrices",
     ):
         assert re.search(rf"\| {target}.*\| (met.*|missed.*|not measured.*) \|", targets)
+    beside = (
+        r"\| a multi-vector step beside sentence-transformers' .*\| measured: ours / st, "
+        r"peak [\d.]+x, wall time [\d.]+x, CPU time [\d.]+x \|"
+    )
+    assert re.search(beside, targets)
     verdicts = r"(holds at every chunk size, by [\d.]+% to [\d.]+%|not at chunk .*)"
     assert re.search(rf"\| gradient checkpointing lowers the peak memory .*\| {verdicts} \|", targets)
     # the runs had uncommitted changes, or one clean commit: the page says which
