@@ -18,7 +18,9 @@ control shows.
 import contextlib
 import copy
 import dataclasses
+import json
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -357,6 +359,21 @@ def reference_objective(anchor, positive, *negatives, texts, in_batch=True, symm
         assert kl.shape == (rows,) and target.shape[1] == groups
         loss = loss + distill_weight * kl.mean()
     return loss
+
+
+def teacher_of(path, first_only=False, swapped=False):
+    """{(anchor, positive): [its score, the negatives'...]} read from the raw JSON lines of `path` with json
+    (FlagEmbedding's fields: anchor, positive a text or a list, pos_scores, neg_scores). Wrong paths:
+    `first_only`, every positive with the first one's score; `swapped`, the two fields' scores exchanged
+    (the negative's score given to the positive: one negative)."""
+    scores = {}
+    for line in Path(path).read_text().splitlines():
+        record = json.loads(line)
+        positives = record["positive"] if isinstance(record["positive"], list) else [record["positive"]]
+        for place, positive in enumerate(positives):
+            row = [record["pos_scores"][0 if first_only else place], *record["neg_scores"]]
+            scores[record["anchor"], positive] = row[::-1] if swapped else row
+    return scores
 
 
 @contextlib.contextmanager

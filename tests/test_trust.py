@@ -30,6 +30,7 @@ from references import (
     masked_contrastive_loss,
     materialized_contrastive_loss,
     reference_objective,
+    teacher_of,
 )
 from safetensors.torch import load_file
 from test_train import (
@@ -385,19 +386,6 @@ def scored_records(count=16, positives=3):
          "neg_scores": [rng.uniform(-4, 4)]}
         for i in range(count)
     ]  # fmt: skip
-
-
-def teacher_of(path, first_only=False, swapped=False):
-    """{(anchor, drawn positive): [its score, the negative's]} read from the raw JSON lines with json. Wrong
-    paths: `first_only`, every positive with the first one's score; `swapped`, the two fields' scores
-    exchanged (the negative's score given to the positive)."""
-    scores = {}
-    for line in Path(path).read_text().splitlines():
-        record = json.loads(line)
-        for place, positive in enumerate(record["positive"]):
-            row = [record["pos_scores"][0 if first_only else place], *record["neg_scores"]]
-            scores[record["anchor"], positive] = row[::-1] if swapped else row
-    return scores
 
 
 def distilling_loss(teacher, weight):
