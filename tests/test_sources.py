@@ -20,16 +20,20 @@ from test_train import (
     DTYPES,
     SGD_LR,
     fails_with,
+    in_steps,
     launch,
     launch_deepspeed,
     logged_scalars,
+    record_batches,
+    recorded_batches,
+    recording_environment,
     run_main,
     sgd_launch,
     sharded_loader,
     updates,
     weights,
 )
-from test_trust import in_steps, record_batches, recorded_batches, recording_environment, sgd_replay
+from test_trust import sgd_replay
 
 import train
 

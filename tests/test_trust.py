@@ -19,7 +19,6 @@ import os
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -37,73 +36,20 @@ from test_train import (
     CONFIGS,
     REPO,
     SGD_LR,
-    SGD_SITECUSTOMIZE,
     WORDS,
-    SGDInPlaceOfAdamW,
+    in_steps,
     launch,
     logged_scalars,
+    record_batches,
+    recorded_batches,
+    recording_environment,
     run_main,
     sgd_launch,
     weights,
     write_rows,
 )
 
-import gradcache
-
 DTYPES = (torch.float32, torch.float64)
-FAULTS = Path(__file__).parent / "faults" / "sitecustomize.py"
-
-# The texts of every batch a launched process trains on, one JSON line each, in <folder>/<rank>.jsonl.
-RECORDING_SITECUSTOMIZE = (
-    SGD_SITECUSTOMIZE
-    + """
-import json
-import os
-
-import gradcache
-
-step = gradcache.gradcache_step
-
-
-def recorded(encoder, columns, *args, **kwargs):
-    with open(os.path.join({folder!r}, os.environ.get("RANK", "0") + ".jsonl"), "a") as record:
-        record.write(json.dumps([list(texts) for texts in columns]) + "\\n")
-    return step(encoder, columns, *args, **kwargs)
-
-
-gradcache.gradcache_step = recorded
-"""
-)
-
-
-def recording_environment(folder, faults=None):
-    """The environment of a launch that records its batches (RECORDING_SITECUSTOMIZE) in folder/record, with
-    SGD in place of AdamW and, given `faults` ({GRADCACHE_FAULT_*: value}), tests/faults' test doubles."""
-    site, record = folder / "site", folder / "record"
-    site.mkdir(), record.mkdir()
-    code = RECORDING_SITECUSTOMIZE.format(folder=str(record))
-    if faults:  # one sitecustomize a process: this one runs tests/faults' too
-        code += f"\nexec(compile(open({str(FAULTS)!r}).read(), {str(FAULTS)!r}, 'exec'))\n"
-    (site / "sitecustomize.py").write_text(code)
-    return {"PYTHONPATH": os.pathsep.join([str(site), str(REPO)])} | (faults or {})
-
-
-def recorded_batches(folder, rank):
-    return [json.loads(line) for line in (folder / "record" / f"{rank}.jsonl").read_text().splitlines()]
-
-
-def record_batches(patch):
-    """The texts of every batch train.main trains on in this process (a list it fills, one entry a batch:
-    its columns of texts), through a test double around gradcache.gradcache_step; SGD in place of AdamW."""
-    batches, step = [], gradcache.gradcache_step
-
-    def recorded(encoder, columns, *args, **kwargs):
-        batches.append([list(texts) for texts in columns])
-        return step(encoder, columns, *args, **kwargs)
-
-    patch.setattr(gradcache, "gradcache_step", recorded)
-    patch.setattr(torch.optim, "AdamW", SGDInPlaceOfAdamW)
-    return batches
 
 
 def rate_factor(updates_done, total_steps, warmup_ratio=0.1):
@@ -160,12 +106,6 @@ def sgd_replay(model_folder, steps, dtype, total_steps, loss_fn=ranking_loss, sk
 def updates(trained, initial, names=None):
     """What training changed, in float64, over `names` (default: every weight)."""
     return {name: trained[name].double() - initial[name].double() for name in names or initial}
-
-
-def in_steps(batches, accumulation):
-    """A process's batches cut into optimizer steps of `accumulation` batches."""
-    assert len(batches) % accumulation == 0
-    return [batches[k : k + accumulation] for k in range(0, len(batches), accumulation)]
 
 
 def tokens(model_folder, batches):
