@@ -29,6 +29,7 @@ from references import (
     masked_contrastive_loss,
     materialized_contrastive_loss,
     reference_objective,
+    relative_error,
     teacher_of,
 )
 from safetensors.torch import load_file
@@ -305,6 +306,68 @@ def test_a_bad_step_in_the_middle_under_deepspeed_skips_exactly_its_update(
         step: pytest.approx(SGD_LR * rate_factor(applied, total), rel=1e-6)
         for step, applied in applied_before.items()
     }
+
+
+# A run under float16 autocast is judged by its distance to the float64 replay relative to the update (as bf16
+# is, test_sources.BF16_UPDATE): within 8 x fp16's unit roundoff 2^-11 (measured: 1.6e-4; a step's update
+# applied or skipped is 20 times the budget).
+FP16_UPDATE = 8 * 2**-11
+
+
+def test_an_fp16_overflow_in_the_middle_skips_exactly_its_update(
+    tmp_path, data, model_without_dropout, monkeypatch, capsys
+):
+    """accelerate's fp16 path on a CPU (float16 autocast and torch's CPU GradScaler: tests/faults), at a loss
+    scale that does not overflow by itself, with infinite gradients forced at step 3 of 6: the scaler skips
+    that update alone (the scale halves there, and only there), every logged rate is the schedule's at the
+    updates applied so far, and the weights of every later step are the float64 replay's that skips exactly
+    that update, within fp16's budget (step 3's checkpoint holds step 2's weights). The wrong path, outside
+    it: the replay applying step 3's batch."""
+    from test_reliability import run_with_faults
+
+    run_dir, total, overflow = tmp_path / "run", 6, 3
+    args = ("--model", model_without_dropout, "--data", data[0], "--dev_data", "", "--max_steps", total)
+    args += ("--lr", SGD_LR, "--max_grad_norm", 0, "--save_steps", 1, "--save_total_limit", 0)
+    faults = {"GRADCACHE_FP16_SCALER": str(2.0**10), "GRADCACHE_FAULT_INF": str(overflow)}
+    with monkeypatch.context() as patch:
+        batches = record_batches(patch)
+        run_with_faults(run_dir, *args, faults=faults)
+    printed = capsys.readouterr().out
+    assert "mixed_precision: fp16" in printed
+    assert f"step {overflow}: fp16 overflow, update skipped" in printed
+    steps = in_steps(batches, 1)
+    assert len(steps) == total
+    logged = {tag: dict(values) for tag, values in logged_scalars(run_dir).items()}
+    scales = logged["train/loss_scale"]
+    assert [step for step in scales if scales[step] < scales.get(step - 1, 2.0**10)] == [overflow]
+    assert logged["train/nonfinite_steps"] == {step: 0.0 for step in range(1, total + 1)}  # not a bad step
+    applied_before = {step: step - 1 - (step > overflow) for step in range(1, total + 1)}
+    assert logged["train/learning_rate"] == {
+        step: pytest.approx(SGD_LR * rate_factor(applied, total), rel=1e-6)
+        for step, applied in applied_before.items()
+    }
+    right, wrong = (
+        sgd_replay(model_without_dropout, steps, torch.float64, total, skipped=skipped)["weights"]
+        for skipped in ((overflow,), ())
+    )
+    initial = weights(model_without_dropout)
+    saved = sorted(int(path.name.removeprefix("step_")) for path in (run_dir / "checkpoints").iterdir())
+    assert saved == list(range(1, total + 1))  # an overflow is no bad step: its checkpoint is saved
+    checkpoints = {
+        step: load_file(run_dir / "checkpoints" / f"step_{step}" / "model.safetensors") for step in saved
+    }
+    before, at = checkpoints[overflow - 1], checkpoints[overflow]
+    assert all(torch.equal(at[name], before[name]) for name in at)  # the overflow moved no weight
+    for step, trained in checkpoints.items():
+        names = sorted(trained)
+        run = updates(trained, initial, names)
+        error = relative_error(run, updates(right[step - 1], initial, names))
+        print(f"fp16 overflow at step {overflow}, step {step}: updates {error:.1e} from the float64 replay")
+        assert error <= FP16_UPDATE, f"step {step}: {error:.1e} (fp16 budget {FP16_UPDATE:.1e})"
+        if step > overflow:
+            applied = relative_error(run, updates(wrong[step - 1], initial, names))
+            print(f"fp16 overflow, step {step}: against the replay applying step {overflow} {applied:.1e}")
+            assert applied > FP16_UPDATE, f"step {step} matches the replay applying it: {applied:.1e}"
 
 
 # ---------------------------------------------------------------------------------------------------------
