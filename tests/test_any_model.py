@@ -15,7 +15,7 @@ import sys
 import datasets
 import pytest
 import torch
-from references import StageOneRecorder, assert_exact, float64, materialized_contrastive_loss
+from references import StageOneRecorder, assert_exact, float64, materialized_contrastive_loss, same_rows
 from test_gradcache import assert_gradients_exact, assert_gradients_inexact
 from test_train import (
     REPO,
@@ -34,6 +34,7 @@ import train
 from train_parts import models, pairs
 
 COLUMNS = ("anchor", "positive", "negative_1")
+TASKS = ("query", "document", "document")  # sentence-transformers' task of each column (a Router's route)
 
 # ---------------------------------------------------------------------------------------------------------
 # Architectures: exact gradients (dropout on) through prepare_model, tokenize and Towers
@@ -91,6 +92,12 @@ def test_each_architecture_is_exact_with_dropout(tmp_path, name):
 
     prompts = models.role_prompts(model, args.query_prompt, args.document_prompt)
     columns = [models.tokenize(model, column_texts(i), c, prompts) for i, c in enumerate(COLUMNS)]
+    # The step's inputs: sentence-transformers' own tokenization of each column, its role's prompt and task
+    prompt_of = {"query": args.query_prompt, "document": args.document_prompt}
+    for i, (column, task) in enumerate(zip(columns, TASKS, strict=True)):
+        assert same_rows(
+            dict(column), dict(model.preprocess(column_texts(i), prompt=prompt_of[task], task=task))
+        )
     if args.query_prompt:
         assert columns[0]["prompt_length"] == 3 and "prompt_length" not in columns[1]  # [CLS] w1 w2
     if kind == "decoder":

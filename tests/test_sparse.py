@@ -14,7 +14,7 @@ import pytest
 import torch
 from references import StageOneRecorder
 from sentence_transformers import SparseEncoder
-from test_any_model import COLUMNS, column_texts, trained_as
+from test_any_model import COLUMNS, TASKS, column_texts, trained_as
 from test_gradcache import assert_gradients_exact, assert_gradients_inexact
 from test_model_flags import one_line_error
 from test_train import (
@@ -140,11 +140,12 @@ def test_a_sparse_step_is_exact_against_sentence_transformers_splade_loss(tmp_pa
     def reference(query, document):
         loss = splade_reference("--symmetric" in flags, query, document)
 
-        def replayed(copies, cast):
+        def replayed(copies, cast):  # each column tokenized and routed by sentence-transformers itself
             (copied,) = copies
-            features = [cast(dict(column)) for column in columns]
-            for features_of, column in zip(features, COLUMNS, strict=True):
-                features_of["task"] = models.role_task(column)
+            features = [
+                cast(dict(copied.preprocess(column_texts(i, 12), task=task))) | {"task": task}
+                for i, task in enumerate(TASKS)
+            ]
             value = loss(copied, features)
             value.backward()
             return value.detach()
