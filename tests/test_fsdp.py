@@ -154,6 +154,7 @@ def test_train_py_under_fsdp2_trains_exactly_saves_whole_and_resumes_bit_for_bit
     checkpoint at step 2 (each process its part), from which a second launch resumes to the same final
     weights bit for bit. It evaluates before and after training."""
     env = shim_environment(tmp_path, recording_sitecustomize(tmp_path))  # and SGD in place of AdamW
+    env["PYTHONPATH"] += os.pathsep + str(REPO)  # the recording imports gradcache at start-up
     common = ("--model", model_without_dropout, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS)
     common += ("--lr", SGD_LR, "--max_grad_norm", SGD_CLIP, "--save_steps", 2)
     run = tmp_path / "run"
