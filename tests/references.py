@@ -409,6 +409,30 @@ def teacher_of(path, first_only=False, swapped=False):
     return scores
 
 
+def retrieval_evaluator(path, kind="dense"):
+    """sentence-transformers' retrieval evaluator of the model's `kind` ("dense", "multi-vector") on the raw
+    JSON lines of a dev file, read with json: each record's anchor a query, the distinct positives the corpus,
+    each anchor's own positives relevant; named "dev", the metrics at the cut-offs train.py logs, no
+    prompts."""
+    from sentence_transformers.multi_vector_encoder.evaluation import MultiVectorInformationRetrievalEvaluator
+    from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+
+    records = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    positives = [r["positive"] if isinstance(r["positive"], list) else [r["positive"]] for r in records]
+    ids = {text: f"d{i}" for i, text in enumerate(dict.fromkeys(t for texts in positives for t in texts))}
+    evaluator = {
+        "dense": InformationRetrievalEvaluator,
+        "multi-vector": MultiVectorInformationRetrievalEvaluator,
+    }
+    return evaluator[kind](
+        queries={f"q{i}": record["anchor"] for i, record in enumerate(records)},
+        corpus={doc_id: text for text, doc_id in ids.items()},
+        relevant_docs={f"q{i}": {ids[text] for text in texts} for i, texts in enumerate(positives)},
+        mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[1, 10], precision_recall_at_k=[1, 10], map_at_k=[10],
+        name="dev", write_csv=False, query_prompt="", corpus_prompt="",
+    )  # fmt: skip
+
+
 @contextlib.contextmanager
 def maxsim_kept_in_float64():
     """sentence-transformers' MaxSim as it is, but for one cast: its kernel (`_maxsim_score_documents`) takes

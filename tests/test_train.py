@@ -26,7 +26,7 @@ import numpy
 import pytest
 import torch
 import yaml
-from references import Exactness, assert_exact, relative_error
+from references import Exactness, assert_exact, relative_error, retrieval_evaluator
 from safetensors.torch import load_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -769,11 +769,16 @@ def test_deepspeed_reproduces_the_plain_run(
         assert all(torch.equal(saved_file[key], saved[f"0.model.{key}"]) for key in saved_file)
     # Some steps clipped, some not, so that DeepSpeed must clip as the flag says (SGD follows the scale)
     assert min(truth["grad_norms"]) < SGD_CLIP < max(truth["grad_norms"])
-    if partitioned:  # its evaluation before training, the texts split between the processes: one process's
-        plain = logged_scalars(reference_runs[1])
-        tags = [tag for tag in plain if tag.startswith("eval/dev_")]
+    if partitioned:  # its evaluation before training, the texts split between the processes: the metrics of
+        # sentence-transformers' evaluator built from the raw dev file, in this process
+        from sentence_transformers import SentenceTransformer
+
+        initial = SentenceTransformer(str(model_without_dropout), device="cpu")
+        expected = retrieval_evaluator(data[1])(initial)
+        tags = [tag for tag in logged if tag.startswith("eval/dev_")]
+        assert sorted(tags) == sorted(f"eval/{name}" for name in expected)
         assert len(tags) == 9  # accuracy, precision and recall @1 and @10, MRR, NDCG and MAP @10
-        assert all(logged[t][0] == (0, pytest.approx(plain[t][0][1], abs=1e-6)) for t in tags)
+        assert all(logged[t][0] == (0, pytest.approx(expected[t[5:]], abs=1e-6)) for t in tags)
     if resume_too:  # AdamW, train.py's own: two runs of the same code, equal bit for bit
         straight, step_2 = tmp_path / "straight", tmp_path / "straight" / "checkpoints" / "step_2"
         launch_deepspeed(config, straight, *common, "--save_steps", 2, processes=2)
@@ -1312,8 +1317,9 @@ def test_the_processes_share_the_dev_corpus_and_log_the_one_process_metrics(
     tmp_path, data, model_without_dropout, monkeypatch
 ):
     """The dev queries and corpus are encoded once per evaluation, half of them on each of two processes, and
-    gathered: the metrics logged are the one-process ones (float tolerance: other batches), and one process
-    logs exactly what sentence-transformers' evaluator gives. The evaluation's time per process count is
+    gathered: the metrics logged are those of sentence-transformers' evaluator built from the raw dev file
+    (references.retrieval_evaluator), exactly on one process, within a float tolerance on two (other
+    batches). The evaluation's time per process count is
     printed (bench/eval_time.py times the default model and dev set)."""
     from sentence_transformers import SentenceTransformer
 
@@ -1333,8 +1339,7 @@ def test_the_processes_share_the_dev_corpus_and_log_the_one_process_metrics(
     assert {rank: (counts / rank).read_text().split() for rank in "01"} == {rank: shares for rank in "01"}
     run_main(monkeypatch, *common, "--output_dir", tmp_path / "one")
 
-    evaluator = pairs.build_evaluator(pairs.load_pairs(str(dev))[0], 500, say=len)
-    expected = evaluator(SentenceTransformer(str(model_without_dropout), device="cpu"))
+    expected = retrieval_evaluator(dev)(SentenceTransformer(str(model_without_dropout), device="cpu"))
     one, two = (logged_scalars(tmp_path / name) for name in ("one", "two"))
     for name, value in expected.items():  # step 0: before training, the same model
         assert one[f"eval/{name}"][0] == (0, float(numpy.float32(value))), name  # TensorBoard's float32
