@@ -2,10 +2,10 @@
 
 The launches share module-scoped fixtures: one uninterrupted run per process count, which resumed runs
 must reproduce bit for bit. Exactness is judged by tests/references.py's rule against train.py's
-optimization replayed without gradcache nor DeepSpeed (replay_full_batch) in float32 and float64: the plain
-and DeepSpeed runs with SGD in place of AdamW (SGD_LR: AdamW turns rounding noise into full steps), the
-chunked run also under AdamW. The validation helpers are also called in-process, where a launch would add
-nothing but start-up time.
+optimization replayed without the project's code (replay_full_batch: the batches each run recorded, their
+rows read from the raw file) in float32 and float64: the plain and DeepSpeed runs with SGD in place of AdamW
+(SGD_LR: AdamW turns rounding noise into full steps), the chunked run also under AdamW. The validation
+helpers are also called in-process, where a launch would add nothing but start-up time.
 """
 
 import functools
