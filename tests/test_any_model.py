@@ -59,23 +59,24 @@ def trained_as(folder, flags):
     return train.load_model(args, train.source_settings(args)), args
 
 
-def reference_model(folder, flags):
-    """The saved model from sentence-transformers and peft alone, none of train.py's code: loaded, with
-    --lora_r 4 and --lora_dropout 0.1 a LoRA adapter of rank 4 (alpha 8, every linear layer, dropout 0.1:
-    train.py's defaults for rank 4) on each outermost transformers model; no gradient checkpointing."""
+def reference_model(folder, flags, model_class=None):
+    """The saved model from sentence-transformers and peft alone, none of train.py's code: loaded (as a
+    SentenceTransformer, or `model_class`), with --lora_r r a LoRA adapter of rank r (alpha 2r, every linear
+    layer, the flags' --lora_dropout: train.py's documented defaults) on each outermost transformers model;
+    no gradient checkpointing."""
     from peft import LoraConfig
     from sentence_transformers import SentenceTransformer
     from transformers import PreTrainedModel
 
-    model = SentenceTransformer(str(folder), device="cpu")
+    model = (model_class or SentenceTransformer)(str(folder), device="cpu")
     if "--lora_r" in flags:
-        assert flags[flags.index("--lora_r") + 1] == "4" and flags[flags.index("--lora_dropout") + 1] == "0.1"
+        rank = int(flags[flags.index("--lora_r") + 1])
+        dropout = float(flags[flags.index("--lora_dropout") + 1]) if "--lora_dropout" in flags else 0.0
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules="all-linear")
         found = [module for module in model.modules() if isinstance(module, PreTrainedModel)]
         inner = {id(sub) for module in found for sub in module.modules() if sub is not module}
         for transformer in (module for module in found if id(module) not in inner):
-            transformer.add_adapter(
-                LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules="all-linear")
-            )
+            transformer.add_adapter(config)
     return model
 
 
