@@ -68,7 +68,6 @@ import pytest
 import torch
 from backend_worker import torchrun
 from matrix_worker import (
-    CHUNK_SIZE,
     COLUMNS,
     DISTILLATION,
     FALSE_NEGATIVE_MARGIN,
@@ -332,7 +331,7 @@ def regularizer_weights(splade):
 def independent_loss(row, model, batch, guide, positives_of, in_batch, flops_weights=None):
     """For the rows sentence-transformers has no loss for (masks, distillation, no in-batch negatives):
     tests/references.py's, on the model's representations of the batch, masks read from the texts and the
-    guide's scores ("masked" rows; encoded in train.py's batches, so that its scores are the same numbers).
+    guide's scores ("masked" rows; each text encoded alone, whatever train.py's batches).
     positives_of: what the data (the global batch) says is right for each anchor. A sparse encoder's scores
     are dot products at scale 1, and `flops_weights` (query, document) add sentence-transformers' FlopsLoss
     of the anchors and of the positives and hard negatives together."""
@@ -340,12 +339,11 @@ def independent_loss(row, model, batch, guide, positives_of, in_batch, flops_wei
 
     columns = [column for column in COLUMNS if column in batch]  # a step of the second source: pairs
     guide_reps = None
-    if row.extra == "masked":
-        batch_size = 32 if row.chunking == "tokens" else CHUNK_SIZE
+    if row.extra == "masked":  # each text encoded alone (no padding), not in train.py's batches
         with torch.no_grad():
             guide_reps = [
                 (guide.encode_query if column == "anchor" else guide.encode_document)(
-                    batch[column], batch_size=batch_size, convert_to_tensor=True
+                    batch[column], batch_size=1, convert_to_tensor=True
                 )
                 for column in columns
             ]
