@@ -23,11 +23,11 @@ import sys
 from pathlib import Path
 
 import torch
-from references import StageOneRecorder, exactness, materialized_contrastive_loss
+from references import StageOneRecorder, exactness, materialized_contrastive_loss, plain_rows
 from torch import nn
 
 import gradcache
-from gradcache import accelerate_sync_context, contrastive_loss, gradcache_step, select_examples
+from gradcache import accelerate_sync_context, contrastive_loss, gradcache_step
 from train_parts import fsdp
 
 REPO = Path(__file__).resolve().parent.parent
@@ -154,7 +154,7 @@ def shard_sizes(case):
 def shard(columns, rank, case):
     first = sum(shard_sizes(case)[:rank])
     rows = torch.arange(first, first + shard_sizes(case)[rank])
-    return [select_examples(column, rows) for column in columns]
+    return [plain_rows(column, rows) for column in columns]  # not gradcache's select_examples: its input
 
 
 def loss_options(case):

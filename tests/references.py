@@ -18,7 +18,9 @@ control shows.
 import contextlib
 import copy
 import dataclasses
+import json
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -144,15 +146,44 @@ def materialized_contrastive_loss(
     return loss
 
 
+def plain_rows(column, index):
+    """Rows `index` of a column by a plain rule (what the chunk of those rows holds, tokenized alone): a
+    tensor's rows; a dict's tensors' rows, the positions at either end that no selected row attends to left
+    out; other values as they are; a list's items."""
+    if isinstance(column, torch.Tensor):
+        return column[index]
+    if not isinstance(column, Mapping):
+        return [column[i] for i in index.tolist()]
+    rows = {k: v[index] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in column.items()}
+    mask = column.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and rows["attention_mask"].any():
+        attended = rows["attention_mask"].any(dim=0).nonzero().flatten().tolist()
+        kept = slice(attended[0], attended[-1] + 1)
+        for key, value in rows.items():
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == mask.shape[1]:
+                rows[key] = value[:, kept]
+    return rows
+
+
+def same_rows(chosen, plain):
+    if isinstance(plain, Mapping):
+        return sorted(chosen) == sorted(plain) and all(same_rows(chosen[k], plain[k]) for k in plain)
+    if isinstance(plain, torch.Tensor):
+        return isinstance(chosen, torch.Tensor) and chosen.shape == plain.shape and torch.equal(chosen, plain)
+    return chosen == plain
+
+
 class StageOneRecorder:
     """A reference for dropout that does not reuse gradcache's chunk plan: it watches what stage 1 encoded.
 
     `step` runs `gradcache_step` with its callables wrapped: every encoder call records the CPU RNG state
     before it and the inputs it received, each with the rows (column, indices) that `select` picked for it,
-    until the loss is called (stage 2). `replay` then re-encodes exactly those inputs with reference
-    encoders, each call from its recorded RNG state (so dropout draws the same masks), puts the
-    representations in batch order, and back-propagates the full-batch loss through that one graph.
-    Whatever plan, grouping or padding gradcache chose, the parameter gradients must equal this one's.
+    until the loss is called (stage 2). `replay` then re-encodes those rows with reference encoders, each
+    call from its recorded RNG state (so dropout draws the same masks), puts the representations in batch
+    order, and back-propagates the full-batch loss through that one graph. Whatever plan, grouping or
+    padding gradcache chose, the parameter gradients must equal this one's. Without a `select` of the
+    caller's, the rows replayed are plain_rows' of the batch, never gradcache's selection, which must hold
+    the same (select_examples checked by a rule of its own).
     """
 
     def __init__(self):
@@ -163,6 +194,7 @@ class StageOneRecorder:
 
         self.batch_sizes = [len(c["attention_mask"]) if isinstance(c, Mapping) else len(c) for c in columns]
         selects = select if isinstance(select, (list, tuple)) else [select or select_examples] * len(columns)
+        self.own_select = select is None  # the rows to replay: plain_rows'
         options["select"] = [self.watch_select(c, chosen) for c, chosen in enumerate(selects)]
         if encode_group is not None:
             options["encode_group"] = self.watch_call(lambda inputs, columns: encode_group(inputs, columns))
@@ -182,6 +214,9 @@ class StageOneRecorder:
             chosen = select(data, index)
             if self.recording:
                 copied = dict(chosen) if isinstance(chosen, Mapping) else chosen  # models add keys to it
+                if self.own_select:
+                    copied = plain_rows(data, index)
+                    assert same_rows(chosen, copied), f"column {column}: rows {index.tolist()} selected apart"
                 self.selected.append((column, index.clone(), copied))
             return chosen
 
@@ -357,6 +392,45 @@ def reference_objective(anchor, positive, *negatives, texts, in_batch=True, symm
         assert kl.shape == (rows,) and target.shape[1] == groups
         loss = loss + distill_weight * kl.mean()
     return loss
+
+
+def teacher_of(path, first_only=False, swapped=False):
+    """{(anchor, positive): [its score, the negatives'...]} read from the raw JSON lines of `path` with json
+    (FlagEmbedding's fields: anchor, positive a text or a list, pos_scores, neg_scores). Wrong paths:
+    `first_only`, every positive with the first one's score; `swapped`, the two fields' scores exchanged
+    (the negative's score given to the positive: one negative)."""
+    scores = {}
+    for line in Path(path).read_text().splitlines():
+        record = json.loads(line)
+        positives = record["positive"] if isinstance(record["positive"], list) else [record["positive"]]
+        for place, positive in enumerate(positives):
+            row = [record["pos_scores"][0 if first_only else place], *record["neg_scores"]]
+            scores[record["anchor"], positive] = row[::-1] if swapped else row
+    return scores
+
+
+def retrieval_evaluator(path, kind="dense"):
+    """sentence-transformers' retrieval evaluator of the model's `kind` ("dense", "multi-vector") on the raw
+    JSON lines of a dev file, read with json: each record's anchor a query, the distinct positives the corpus,
+    each anchor's own positives relevant; named "dev", the metrics at the cut-offs train.py logs, no
+    prompts."""
+    from sentence_transformers.multi_vector_encoder.evaluation import MultiVectorInformationRetrievalEvaluator
+    from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+
+    records = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    positives = [r["positive"] if isinstance(r["positive"], list) else [r["positive"]] for r in records]
+    ids = {text: f"d{i}" for i, text in enumerate(dict.fromkeys(t for texts in positives for t in texts))}
+    evaluator = {
+        "dense": InformationRetrievalEvaluator,
+        "multi-vector": MultiVectorInformationRetrievalEvaluator,
+    }
+    return evaluator[kind](
+        queries={f"q{i}": record["anchor"] for i, record in enumerate(records)},
+        corpus={doc_id: text for text, doc_id in ids.items()},
+        relevant_docs={f"q{i}": {ids[text] for text in texts} for i, texts in enumerate(positives)},
+        mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[1, 10], precision_recall_at_k=[1, 10], map_at_k=[10],
+        name="dev", write_csv=False, query_prompt="", corpus_prompt="",
+    )  # fmt: skip
 
 
 @contextlib.contextmanager

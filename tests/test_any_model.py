@@ -15,7 +15,7 @@ import sys
 import datasets
 import pytest
 import torch
-from references import StageOneRecorder, assert_exact, float64, materialized_contrastive_loss
+from references import StageOneRecorder, assert_exact, float64, materialized_contrastive_loss, same_rows
 from test_gradcache import assert_gradients_exact, assert_gradients_inexact
 from test_train import (
     REPO,
@@ -34,6 +34,7 @@ import train
 from train_parts import models, pairs
 
 COLUMNS = ("anchor", "positive", "negative_1")
+TASKS = ("query", "document", "document")  # sentence-transformers' task of each column (a Router's route)
 
 # ---------------------------------------------------------------------------------------------------------
 # Architectures: exact gradients (dropout on) through prepare_model, tokenize and Towers
@@ -56,6 +57,27 @@ def trained_as(folder, flags):
     """The model as train.py trains it (train.load_model): loaded, its flags checked, prepared."""
     args = train.parse_args(["--model", str(folder), "--data", "unused.jsonl", *flags])
     return train.load_model(args, train.source_settings(args)), args
+
+
+def reference_model(folder, flags, model_class=None):
+    """The saved model from sentence-transformers and peft alone, none of train.py's code: loaded (as a
+    SentenceTransformer, or `model_class`), with --lora_r r a LoRA adapter of rank r (alpha 2r, every linear
+    layer, the flags' --lora_dropout: train.py's documented defaults) on each outermost transformers model;
+    no gradient checkpointing."""
+    from peft import LoraConfig
+    from sentence_transformers import SentenceTransformer
+    from transformers import PreTrainedModel
+
+    model = (model_class or SentenceTransformer)(str(folder), device="cpu")
+    if "--lora_r" in flags:
+        rank = int(flags[flags.index("--lora_r") + 1])
+        dropout = float(flags[flags.index("--lora_dropout") + 1]) if "--lora_dropout" in flags else 0.0
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules="all-linear")
+        found = [module for module in model.modules() if isinstance(module, PreTrainedModel)]
+        inner = {id(sub) for module in found for sub in module.modules() if sub is not module}
+        for transformer in (module for module in found if id(module) not in inner):
+            transformer.add_adapter(config)
+    return model
 
 
 def column_texts(seed, count=10):
@@ -84,13 +106,19 @@ def test_each_architecture_is_exact_with_dropout(tmp_path, name):
         model[1].include_prompt = False  # sentence-transformers' Pooling skips the prompt's tokens
     # The reference: the same weights without gradient checkpointing, back-propagated through one graph, in
     # float32 and in float64 (copies of it), with references.py's materialized loss.
-    reference = trained_as(folder, [f for f in flags if f != "--gradient_checkpointing"])[0]
+    reference = reference_model(folder, flags)
     reference.load_state_dict(model.state_dict())
     reference[1].include_prompt = model[1].include_prompt
     model.train(), reference.train()
 
     prompts = models.role_prompts(model, args.query_prompt, args.document_prompt)
     columns = [models.tokenize(model, column_texts(i), c, prompts) for i, c in enumerate(COLUMNS)]
+    # The step's inputs: sentence-transformers' own tokenization of each column, its role's prompt and task
+    prompt_of = {"query": args.query_prompt, "document": args.document_prompt}
+    for i, (column, task) in enumerate(zip(columns, TASKS, strict=True)):
+        assert same_rows(
+            dict(column), dict(model.preprocess(column_texts(i), prompt=prompt_of[task], task=task))
+        )
     if args.query_prompt:
         assert columns[0]["prompt_length"] == 3 and "prompt_length" not in columns[1]  # [CLS] w1 w2
     if kind == "decoder":

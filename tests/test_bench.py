@@ -15,7 +15,6 @@ from references import (
     ROUNDING_MULTIPLE,
     Exactness,
     assert_exact,
-    assert_inexact,
     materialized_contrastive_loss,
     relative_error,
 )
@@ -102,7 +101,13 @@ def test_speed_compares_equal_work_and_times_every_variant(smoke_run):
     for method, loss in losses.items():
         measured = assert_exact(loss, float32["loss"], truth["loss"], f"{method}, loss")
         print(f"speed agreement, {method}, loss: {measured}")
-    assert_inexact(losses["ours"] * (1 + 1e-3), float32["loss"], truth["loss"], "ours' loss x (1 + 1e-3)")
+    # The wrong path: the batch's hard negatives left out of the candidates
+    wrong = agreement_reference(saved["settings"], torch.float64, columns=2)
+    control = Exactness(
+        relative_error(losses["ours"], wrong["loss"]), relative_error(float32["loss"], truth["loss"])
+    )
+    assert not control.holds, f"ours' loss matches the reference without its hard negatives: {control}"
+    print(f"speed agreement, ours' loss against the reference without hard negatives: {control.error:.1e}")
     e_ref = relative_error(float32["gradients"], truth["gradients"])
     largest = {name: float(reference["gradients"].abs().max()) for name, reference in (("32", float32),
                ("64", truth))}  # fmt: skip
@@ -141,17 +146,18 @@ def test_speed_compares_equal_work_and_times_every_variant(smoke_run):
     assert "ours / ST cached" in markdown
 
 
-def agreement_reference(settings, dtype):
+def agreement_reference(settings, dtype, columns=None):
     """speed.py's agreement batch (the first rows of its texts, batch min(batch_sizes)) on its model in
     `dtype`, dropout off, through the whole score matrix (references.materialized_contrastive_loss), plain
-    autograd: the loss and every parameter's gradient, flattened in parameter order."""
+    autograd: the loss and every parameter's gradient, flattened in parameter order. A wrong path: only the
+    first `columns` columns (2: the hard negatives left out)."""
     import harness
 
     model = harness.load_model("cpu").to(dtype).eval()
     texts = harness.load_texts(max(settings["batch_sizes"]) * (settings["warmup"] + settings["rounds"]))
     features = harness.tokenize(model, texts, 0, min(settings["batch_sizes"]))
     loss = materialized_contrastive_loss(
-        *[model(dict(f))["sentence_embedding"] for f in features], scale=20.0
+        *[model(dict(f))["sentence_embedding"] for f in features[:columns]], scale=20.0
     )
     loss.backward()
     gradients = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])

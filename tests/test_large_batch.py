@@ -6,6 +6,7 @@ tests/test_loss.py, and every feature across processes and backends in tests/tes
     .venv/bin/python -m pytest -q tests/test_large_batch.py
 """
 
+import copy
 import functools
 import importlib.util
 import json
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from references import reference_objective
+from references import Exactness, assert_exact, reference_objective, relative_error
 from test_gradcache import (
     assert_gradients_exact,
     assert_gradients_inexact,
@@ -87,12 +88,22 @@ def test_cross_encoder_scores_are_train_data(tmp_path):
     assert loaded.column_names == [
         "anchor", "positive", "negative_1", "negative_2", "positive_scores", "negative_scores"
     ]  # fmt: skip
-    for record, row in zip(records, loaded, strict=True):  # each pair scored alone, as a logit
-        expected = model.predict(
-            [(record["question"], text) for text in record["answers"] + record["wrong"]],
-            activation_fn=torch.nn.Identity(),
-        ).tolist()
-        assert row["positive_scores"] + row["negative_scores"] == pytest.approx(expected, abs=1e-5)
+    # Each pair scored alone, as a logit, by sentence-transformers' CrossEncoder in float32 and float64: the
+    # scores (batched by the script) by references.py's rule; the wrong path, the fields swapped, fails it.
+    model64 = copy.deepcopy(model).to(torch.float64)
+    for place, (record, row) in enumerate(zip(records, loaded, strict=True)):
+        texts = [(record["question"], text) for text in record["answers"] + record["wrong"]]
+        float32, truth = (
+            scorer.predict(texts, activation_fn=torch.nn.Identity(), convert_to_tensor=True)
+            for scorer in (model, model64)
+        )
+        positives, negatives = row["positive_scores"], row["negative_scores"]
+        scores = torch.tensor(positives + negatives, dtype=torch.float64)
+        measured = assert_exact(scores, float32, truth, f"record {place}")
+        swapped = torch.tensor(negatives + positives, dtype=torch.float64)
+        swapped = Exactness(relative_error(swapped, truth), measured.e_ref)
+        assert not swapped.holds, f"record {place}: its scores in the other order pass: {swapped}"
+        print(f"cross-encoder scores, record {place}: {measured}; the fields swapped {swapped.error:.1e}")
     # The drawn positive brings its own score; the sampler never compares scores.
     draws = pairs.PositiveDraws(loaded, seed=3)
     example = draws[1]

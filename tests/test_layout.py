@@ -21,12 +21,13 @@ from test_train import (
     REPO,
     SGD_CLIP,
     SGD_LR,
-    SGDInPlaceOfAdamW,
     fails_with,
     full_batch_replay,
+    in_steps,
     launch,
     logged_scalars,
     max_difference,
+    record_batches,
     run_main,
     updates,
     weights,
@@ -50,13 +51,14 @@ def without_hard_negatives(anchor, positive, *negatives):
 
 
 def trained_with(loss, monkeypatch, data, model, folder, *flags):
-    """train.py's run (one process, SGD in place of AdamW) with `loss` in place of train.loss_function's."""
+    """train.py's run (one process, SGD in place of AdamW) with `loss` in place of train.loss_function's:
+    its folder and the batches it trained on (one step each)."""
     monkeypatch.setattr(train, "loss_function", lambda source, model, penalty=None: loss)
     run = ("--model", model, "--data", data[0], "--dev_data", data[1], *BACKEND_ARGS, "--lr", SGD_LR)
     with monkeypatch.context() as patch:
-        patch.setattr(torch.optim, "AdamW", SGDInPlaceOfAdamW)
+        batches = record_batches(patch)  # and SGD in place of AdamW
         run_main(monkeypatch, *run, "--max_grad_norm", SGD_CLIP, "--output_dir", folder, *flags)
-    return folder
+    return folder, in_steps(batches, 1)
 
 
 def test_a_hand_written_loss_trains_to_sentence_transformers_gradients(
@@ -67,8 +69,8 @@ def test_a_hand_written_loss_trains_to_sentence_transformers_gradients(
     truth, references.py's rule); the same loss without the hard negatives fails the rule. With the
     false-negative masks on (the default), a loss that cannot take them stops in one line naming them."""
     no_masks = ("--mask_repeated_texts", "off")
-    run = trained_with(info_nce, monkeypatch, data, model_without_dropout, tmp_path / "own", *no_masks)
-    float32, truth = (full_batch_replay(data, model_without_dropout, t, 1, sgd=True) for t in DTYPES)
+    run, steps = trained_with(info_nce, monkeypatch, data, model_without_dropout, tmp_path / "own", *no_masks)
+    float32, truth = (full_batch_replay(data, model_without_dropout, t, steps, sgd=True) for t in DTYPES)
     initial = weights(model_without_dropout)
     measured = assert_exact(updates(weights(run / "final"), initial), float32["updates"], truth["updates"])
     wrong = tmp_path / "wrong"
@@ -92,14 +94,15 @@ def test_a_number_a_loss_puts_in_stats_is_logged(tmp_path, monkeypatch, data, mo
         stats["_calls"] = stats.get("_calls", 0) + 1
         return gradcache.contrastive_loss(anchor, positive, *negatives, stats=stats, **side_data)
 
-    run = trained_with(
+    run, _ = trained_with(
         counting, monkeypatch, data, model_without_dropout, tmp_path / "off", "--mask_repeated_texts", "off"
     )
     logged = logged_scalars(run)
     assert logged["train/rows"] == [(step, 8.0) for step in (1, 2, 3)]  # --batch_size 8, one process
     assert [step for step, _ in logged["train/in_batch_accuracy"]] == [1, 2, 3]  # contrastive_loss's own
     assert not [tag for tag in logged if "_calls" in tag or tag == "train/masked_fraction"], sorted(logged)
-    masked = logged_scalars(trained_with(counting, monkeypatch, data, model_without_dropout, tmp_path / "on"))
+    masked, _ = trained_with(counting, monkeypatch, data, model_without_dropout, tmp_path / "on")
+    masked = logged_scalars(masked)
     assert [step for step, _ in masked["train/masked_fraction"]] == [1, 2, 3]
 
 

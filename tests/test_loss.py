@@ -17,12 +17,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from references import (
+    Exactness,
     assert_exact,
     float64,
     masked_contrastive_loss,
     materialized_contrastive_loss,
     parameter_gradients,
     reference_objective,
+    relative_error,
 )
 from test_gradcache import random_texts, tiny_sentence_transformer
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -459,13 +461,21 @@ def test_stats_report_in_batch_accuracy_and_the_loss_of_each_matryoshka_size():
 
     assert 0.3 < stats["in_batch_accuracy"] < 1
     assert stats["in_batch_accuracy"] == pytest.approx((accuracy(16) + accuracy(4)) / 2)
-    for dim in dims:  # the mean over the rows computed, of the loss of that size alone
-        whole = gradcache.contrastive_loss(anchor[:, :dim], positive[:, :dim], negative[:, :dim])
-        rows = gradcache.contrastive_loss(
-            anchor[:, :dim], positive[:, :dim], negative[:, :dim], local_rows=slice(3, 20)
+
+    def size_loss(dim, dtype, rows=slice(3, 20)):  # plain torch: the mean over `rows` of that size's loss
+        a, c = (F.normalize(x[:, :dim].to(dtype), dim=-1) for x in (anchor, torch.cat([positive, negative])))
+        return F.cross_entropy(20.0 * a @ c.T, torch.arange(BATCH), reduction="none")[rows].mean().item()
+
+    for (
+        dim
+    ) in dims:  # the mean over the rows computed, of the loss of that size alone, by references.py's rule
+        float32, truth = (size_loss(dim, dtype) for dtype in (torch.float32, torch.float64))
+        measured = assert_exact(stats[f"loss_dim_{dim}"], float32, truth, f"loss_dim_{dim}")
+        every_row = Exactness(
+            relative_error(stats[f"loss_dim_{dim}"], size_loss(dim, torch.float64, slice(None))),
+            measured.e_ref,
         )
-        assert stats[f"loss_dim_{dim}"] == pytest.approx(float(rows) * BATCH / 17, rel=1e-5)
-        assert float(whole) != pytest.approx(stats[f"loss_dim_{dim}"])
+        assert not every_row.holds, f"loss_dim_{dim} is the mean over every row: {every_row}"
     assert float(loss) == pytest.approx(sum(stats[f"loss_dim_{dim}"] for dim in dims) * 17 / BATCH)
 
 

@@ -14,7 +14,13 @@ import random
 
 import pytest
 import torch
-from references import StageOneRecorder, maxsim_distilled_loss, maxsim_group_kl, maxsim_kept_in_float64
+from references import (
+    StageOneRecorder,
+    maxsim_distilled_loss,
+    maxsim_group_kl,
+    maxsim_kept_in_float64,
+    retrieval_evaluator,
+)
 from test_any_model import COLUMNS, column_texts, trained_as
 from test_gradcache import assert_gradients_exact, assert_gradients_inexact
 from test_model_flags import one_line_error
@@ -373,8 +379,6 @@ def test_two_processes_share_the_multi_vector_evaluation(tmp_path, data):
     gathered with their lengths, and the scores before training are those of one process evaluating alone."""
     from sentence_transformers import MultiVectorEncoder
 
-    from train_parts import pairs
-
     folder = build_tiny_model(tmp_path, dropout=0.0, kind="colbert")
     launch(
         CONFIGS / "cpu_ddp_2proc.yaml", tmp_path / "run", "--model", folder, "--data", data[0], "--dev_data",
@@ -383,9 +387,7 @@ def test_two_processes_share_the_multi_vector_evaluation(tmp_path, data):
         processes=2, env={"ACCELERATE_USE_CPU": "true"},
     )  # fmt: skip
     logged = logged_scalars(tmp_path / "run")["eval/dev_maxsim_ndcg@10"]  # coarse: the gather itself is below
-    evaluator = pairs.build_evaluator(
-        pairs.load_pairs(str(data[1]))[0], 500, {}, say=len, kind="multi-vector"
-    )
+    evaluator = retrieval_evaluator(data[1], kind="multi-vector")  # from the raw dev file
     alone = evaluator(MultiVectorEncoder(str(folder), device="cpu"))["dev_maxsim_ndcg@10"]
     assert logged[0][1] == pytest.approx(alone, abs=1e-6), (logged, alone)
 

@@ -9,31 +9,33 @@ resumed run against an uninterrupted one.
 """
 
 import collections
-import itertools
 import json
 
 import datasets
 import pytest
 import torch
-from references import Exactness, assert_exact, assert_inexact, reference_objective, relative_error
+from references import Exactness, assert_exact, reference_objective, relative_error, teacher_of
 from test_train import (
     CONFIGS,
     DTYPES,
     SGD_LR,
-    SGDInPlaceOfAdamW,
     fails_with,
+    in_steps,
     launch,
     launch_deepspeed,
     logged_scalars,
+    record_batches,
+    recorded_batches,
+    recording_environment,
     run_main,
     sgd_launch,
     sharded_loader,
     updates,
     weights,
 )
+from test_trust import sgd_replay
 
 import train
-from train_parts import pairs
 
 
 def texts(prefix, rows):
@@ -191,94 +193,99 @@ def test_two_zero3_processes_on_two_sources_train_as_one_process_holding_the_glo
     tmp_path, sources, model_without_dropout, monkeypatch
 ):
     """Two ZeRO-3 processes, 4 examples each, contrasted together, against one plain process with the batch
-    of 8: the same steps from the same sources, the same weights. The sources differ in columns (a step
-    of pairs has one column fewer: every process must run the same passes), prompts and distillation; the
-    chunks are token budgets, which the processes plan apart and agree on. Both runs are judged by
-    references.py's rule against the global batch's optimization replayed without gradcache, in float32 and
-    float64 (replay_two_sources), with the updates, losses and norms scaled by 1 + 1e-3 as the negative
-    controls. Both runs take SGD in place of AdamW (test_train.SGD_LR: AdamW turns rounding noise into
-    full steps)."""
+    of 8: the same steps from the same sources, the same global batches, the same weights. The sources
+    differ in columns (a step of pairs has one column fewer: every process must run the same passes),
+    prompts and distillation; the chunks are token budgets, which the processes plan apart and agree on.
+    Each run records the texts of its batches (test_trust's test double around gradcache_step); both are
+    judged by references.py's rule against replay_two_sources, which shares nothing with the project: the
+    recorded batches, the source and the teacher's scores of each row read from the raw JSON lines,
+    sentence-transformers' model and references.reference_objective, plain SGD. The wrong paths, which
+    both runs must fail: the teacher's two score fields swapped, and no distillation. Both runs take SGD in
+    place of AdamW (test_train.SGD_LR: AdamW turns rounding noise into full steps)."""
     steps = ("--max_steps", STEPS, "--max_grad_norm", 0)
     tokens = ("--chunk_tokens", 30)
     common = two_source_flags(model_without_dropout, sources, *steps, chunking=tokens, negatives="")
     common += ("--lr", SGD_LR)  # the last value of a flag counts
     with monkeypatch.context() as patch:
-        patch.setattr(torch.optim, "AdamW", SGDInPlaceOfAdamW)
+        one_batches = record_batches(patch)  # and SGD in place of AdamW
         run_main(monkeypatch, *common, "--batch_size", 8, "--output_dir", tmp_path / "one")
-    config, env = sgd_launch(tmp_path, CONFIGS / "deepspeed_zero3.yaml")
+    config, _ = sgd_launch(tmp_path, CONFIGS / "deepspeed_zero3.yaml")  # its DeepSpeed config takes SGD
     launch_deepspeed(
         config, tmp_path / "two", *common, "--batch_size", 4, "--cross_process_negatives",
-        processes=2, env=env,
+        processes=2, env=recording_environment(tmp_path),
     )  # fmt: skip
+    one_steps = in_steps(one_batches, 1)
+    per_rank = [recorded_batches(tmp_path, rank) for rank in (0, 1)]
+    two_steps = [rows_of(a) + rows_of(b) for a, b in zip(*per_rank, strict=True)]
+    assert len(one_steps) == len(two_steps) == STEPS
+    assert [sorted(rows_of(batch)) for (batch,) in one_steps] == [sorted(rows) for rows in two_steps]
     one, two = logged_scalars(tmp_path / "one"), logged_scalars(tmp_path / "two")
-    float32, truth = (replay_two_sources(sources, model_without_dropout, dtype) for dtype in DTYPES)
+    float32, truth = (replay_two_sources(sources, model_without_dropout, one_steps, t) for t in DTYPES)
     assert one["train/source"] == two["train/source"]
     assert [int(v) for _, v in one["train/source"]] == truth["sources"]
     assert set(truth["sources"]) == {0, 1}
     initial = weights(model_without_dropout)
-    # A reference that misses a feature must not pass for the run: without the first source's distillation
-    undistilled = replay_two_sources(sources, model_without_dropout, torch.float64, distill_weight=0.0)
+    # Wrong paths: the teacher's score fields swapped (what a data module reading them swapped would train
+    # on), and the first source's distillation left out
+    wrong_paths = {
+        "the score fields swapped": replay_two_sources(
+            sources, model_without_dropout, one_steps, torch.float64, swapped=True
+        ),
+        "no distillation": replay_two_sources(
+            sources, model_without_dropout, one_steps, torch.float64, distill_weight=0.0
+        ),
+    }
     for name, folder, logged in (("one process", "one", one), ("ZeRO-3 x 2", "two", two)):
-        run = updates(weights(tmp_path / folder / "final"), initial)
-        measured = assert_exact(run, float32["updates"], truth["updates"], f"{name}, updates")
-        scaled = {key: (1 + 1e-3) * update for key, update in run.items()}
-        control = assert_inexact(scaled, float32["updates"], truth["updates"], f"{name}, updates x 1.001")
-        print(f"two sources, {name}: updates {measured}; x (1 + 1e-3): {control.error:.1e}")
-        wrong = Exactness(relative_error(run, undistilled["updates"]), measured.e_ref)
-        assert not wrong.holds, f"{name} matches the reference without distillation: {wrong}"
-        print(f"two sources, {name}: against the reference without distillation {wrong.error:.1e}")
-        for tag, key in (("train/loss", "losses"), ("train/grad_norm", "grad_norms")):  # DeepSpeed's norm
-            values = [value for _, value in logged[tag]]
-            measured = assert_exact(values, float32[key], truth[key], f"{name}, {tag}")
-            wrong = [value * (1 + 1e-3) for value in values]
-            control = assert_inexact(wrong, float32[key], truth[key], f"{name}, {tag} x 1.001")
-            print(f"two sources, {name}: {tag} {measured}; x (1 + 1e-3): {control.error:.1e}")
+        run = {
+            "updates": updates(weights(tmp_path / folder / "final"), initial),
+            "losses": [value for _, value in logged["train/loss"]],
+            "grad_norms": [value for _, value in logged["train/grad_norm"]],  # DeepSpeed's norm
+        }
+        for key, run_values in run.items():
+            measured = assert_exact(run_values, float32[key], truth[key], f"{name}, {key}")
+            print(f"two sources, {name}: {key} {measured}")
+            for wrong_name, wrong in wrong_paths.items():
+                control = Exactness(relative_error(run_values, wrong[key]), measured.e_ref)
+                assert not control.holds, f"{name}, {key} matches the replay with {wrong_name}: {control}"
+                print(f"two sources, {name}: {key} against {wrong_name} {control.error:.1e}")
 
 
 STEPS = 4
 
 
-def replay_two_sources(sources, model_folder, dtype, distill_weight=0.5):
-    """The one-process run of two_source_flags (batch 8, in-batch negatives, no hard negatives in the
-    second source, no clipping) without gradcache, in `dtype`: train.py's loader deals the global batches,
-    references.py's reference_objective scores each whole batch (distillation at `distill_weight`,
-    temperature 1, from the teacher's scores as train.py reads them, in float32, on the first source; the
-    query prompt "w1 " written before each anchor on the second), SGD at SGD_LR and train.py's linear
-    schedule (no warmup: round(0.1 x 4) = 0). Returns the sources of the steps, the losses, the gradient
-    norms and the updates."""
-    from sentence_transformers import SentenceTransformer
-    from transformers import get_scheduler
+def rows_of(batch):
+    """A batch's rows: (anchor, positive, negatives...) text tuples."""
+    return list(zip(*batch, strict=True))
 
-    scored, _ = pairs.load_pairs(str(sources[0]), "", teacher_scores=True)
-    named, _ = pairs.load_pairs(str(sources[1]), "anchor=query,positive=answer,negatives=")
-    loader = sharded_loader([scored, named], "--batch_size", 8, "--chunk_tokens", 30)
-    loader.set_epoch(0)
-    model = SentenceTransformer(str(model_folder), device="cpu").to(dtype).train()
-    initial = {name: w.detach().clone() for name, w in model.state_dict().items()}
-    sgd = torch.optim.SGD(model.parameters(), lr=SGD_LR)
-    scheduler = get_scheduler("linear", sgd, 0, STEPS)
-    replayed = {"sources": [], "losses": [], "grad_norms": []}
-    for batch in itertools.islice(loader, STEPS):
-        source = int(batch["source"][0])
-        columns = [column for column in ("anchor", "positive", "negative_1") if column in batch]
-        texts = [batch[column] for column in columns]
+
+def replay_two_sources(sources, model_folder, steps, dtype, distill_weight=0.5, swapped=False):
+    """The run of two_source_flags (no hard negatives in the second source, no clipping) on the recorded
+    `steps` (test_trust.in_steps: each step's batches of texts) without the project's code, in `dtype`: a
+    step is the first source's when its anchors are that file's (read with json), whose rows distil at
+    `distill_weight`, temperature 1, from the scores in its raw JSON lines (references.teacher_of, the fields
+    exchanged with `swapped`); the second source's anchors take the query prompt "w1 ". Each whole batch is
+    scored by references.reference_objective; test_trust.sgd_replay's SGD at SGD_LR and the linear schedule
+    (no warmup: round(0.1 x 4) = 0). Returns the sources of the steps, the losses, the gradient norms and
+    the updates."""
+    teacher = teacher_of(sources[0], swapped=swapped)
+    scored = {json.loads(line)["anchor"] for line in sources[0].read_text().splitlines()}
+    read = []
+
+    def loss_fn(model, batches):
+        (batch,) = batches
+        texts = [list(column) for column in batch]
+        source = 0 if set(texts[0]) <= scored else 1
+        assert source == 0 or not set(texts[0]) & scored
+        read.append(source)
+        rows = [teacher[a, p] for a, p in zip(texts[0], texts[1], strict=True)] if source == 0 else None
         if source == 1:
             texts[0] = ["w1 " + text for text in texts[0]]
-        reps = [model(dict(model.preprocess(column)))["sentence_embedding"] for column in texts]
-        teacher = None
-        if source == 0:
-            teacher = batch["teacher_scores"]
-            teacher = torch.stack(list(teacher), dim=1) if isinstance(teacher, list) else teacher
-            teacher = teacher.float()  # as train.py reads them
-        loss = reference_objective(
-            *reps, texts=texts, teacher=teacher, distill_weight=distill_weight, temperature=1.0
-        )
-        loss.backward()
-        replayed["grad_norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
-        replayed["losses"].append(float(loss.detach()))
-        replayed["sources"].append(source)
-        sgd.step(), scheduler.step(), sgd.zero_grad()
-    return replayed | {"updates": updates(model.state_dict(), initial)}
+        reps = [model(model.preprocess(column))["sentence_embedding"] for column in texts]
+        return reference_objective(*reps, texts=texts, teacher=rows, distill_weight=distill_weight)
+
+    replayed = sgd_replay(model_folder, steps, dtype, len(steps), loss_fn)
+    initial = weights(model_folder)
+    return replayed | {"sources": read, "updates": updates(replayed["weights"][-1], initial)}
 
 
 # bf16 keeps 8 bits of mantissa: a loss within 5%, an update within 30% (in norm) of fp32's, as

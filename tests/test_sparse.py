@@ -14,7 +14,7 @@ import pytest
 import torch
 from references import StageOneRecorder
 from sentence_transformers import SparseEncoder
-from test_any_model import COLUMNS, column_texts, trained_as
+from test_any_model import COLUMNS, TASKS, column_texts, reference_model, trained_as
 from test_gradcache import assert_gradients_exact, assert_gradients_inexact
 from test_model_flags import one_line_error
 from test_train import (
@@ -140,19 +140,23 @@ def test_a_sparse_step_is_exact_against_sentence_transformers_splade_loss(tmp_pa
     def reference(query, document):
         loss = splade_reference("--symmetric" in flags, query, document)
 
-        def replayed(copies, cast):
+        def replayed(copies, cast):  # each column tokenized and routed by sentence-transformers itself
             (copied,) = copies
-            features = [cast(dict(column)) for column in columns]
-            for features_of, column in zip(features, COLUMNS, strict=True):
-                features_of["task"] = models.role_task(column)
+            features = [
+                cast(dict(copied.preprocess(column_texts(i, 12), task=task))) | {"task": task}
+                for i, task in enumerate(TASKS)
+            ]
             value = loss(copied, features)
             value.backward()
             return value.detach()
 
         return replayed
 
+    # The reference's model: the same weights in the saved model, from sentence-transformers and peft alone
+    alone = reference_model(folder, [*weights, *flags], SparseEncoder)
+    alone.load_state_dict(model.state_dict())
     report, stats = step_with(penalty)
-    assert_gradients_exact([model], reference(query_weight, document_weight), report.loss, name)
+    assert_gradients_exact([model], reference(query_weight, document_weight), report.loss, name, [alone])
     # The logged numbers: active dimensions of the batch's texts as sentence-transformers counts them.
     with torch.no_grad():
         reps = [
@@ -165,10 +169,11 @@ def test_a_sparse_step_is_exact_against_sentence_transformers_splade_loss(tmp_pa
     assert (stats["sparse_query_weight"], stats["sparse_document_weight"]) == (query_weight, document_weight)
     # Negative controls
     step_with(None)
-    assert_gradients_inexact([model], reference(query_weight, document_weight), f"{name} unregularized")
+    right = reference(query_weight, document_weight)
+    assert_gradients_inexact([model], right, f"{name} unregularized", [alone])
     swapped = dataclasses.replace(penalty, query_weight=DOCUMENT_WEIGHT, document_weight=QUERY_WEIGHT)
     step_with(swapped)
-    assert_gradients_inexact([model], reference(query_weight, document_weight), f"{name} weights swapped")
+    assert_gradients_inexact([model], right, f"{name} weights swapped", [alone])
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ import os
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,79 +29,28 @@ from references import (
     masked_contrastive_loss,
     materialized_contrastive_loss,
     reference_objective,
+    relative_error,
+    teacher_of,
 )
 from safetensors.torch import load_file
 from test_train import (
     CONFIGS,
     REPO,
     SGD_LR,
-    SGD_SITECUSTOMIZE,
     WORDS,
-    SGDInPlaceOfAdamW,
+    in_steps,
     launch,
     logged_scalars,
+    record_batches,
+    recorded_batches,
+    recording_environment,
     run_main,
     sgd_launch,
     weights,
     write_rows,
 )
 
-import gradcache
-
 DTYPES = (torch.float32, torch.float64)
-FAULTS = Path(__file__).parent / "faults" / "sitecustomize.py"
-
-# The texts of every batch a launched process trains on, one JSON line each, in <folder>/<rank>.jsonl.
-RECORDING_SITECUSTOMIZE = (
-    SGD_SITECUSTOMIZE
-    + """
-import json
-import os
-
-import gradcache
-
-step = gradcache.gradcache_step
-
-
-def recorded(encoder, columns, *args, **kwargs):
-    with open(os.path.join({folder!r}, os.environ.get("RANK", "0") + ".jsonl"), "a") as record:
-        record.write(json.dumps([list(texts) for texts in columns]) + "\\n")
-    return step(encoder, columns, *args, **kwargs)
-
-
-gradcache.gradcache_step = recorded
-"""
-)
-
-
-def recording_environment(folder, faults=None):
-    """The environment of a launch that records its batches (RECORDING_SITECUSTOMIZE) in folder/record, with
-    SGD in place of AdamW and, given `faults` ({GRADCACHE_FAULT_*: value}), tests/faults' test doubles."""
-    site, record = folder / "site", folder / "record"
-    site.mkdir(), record.mkdir()
-    code = RECORDING_SITECUSTOMIZE.format(folder=str(record))
-    if faults:  # one sitecustomize a process: this one runs tests/faults' too
-        code += f"\nexec(compile(open({str(FAULTS)!r}).read(), {str(FAULTS)!r}, 'exec'))\n"
-    (site / "sitecustomize.py").write_text(code)
-    return {"PYTHONPATH": os.pathsep.join([str(site), str(REPO)])} | (faults or {})
-
-
-def recorded_batches(folder, rank):
-    return [json.loads(line) for line in (folder / "record" / f"{rank}.jsonl").read_text().splitlines()]
-
-
-def record_batches(patch):
-    """The texts of every batch train.main trains on in this process (a list it fills, one entry a batch:
-    its columns of texts), through a test double around gradcache.gradcache_step; SGD in place of AdamW."""
-    batches, step = [], gradcache.gradcache_step
-
-    def recorded(encoder, columns, *args, **kwargs):
-        batches.append([list(texts) for texts in columns])
-        return step(encoder, columns, *args, **kwargs)
-
-    patch.setattr(gradcache, "gradcache_step", recorded)
-    patch.setattr(torch.optim, "AdamW", SGDInPlaceOfAdamW)
-    return batches
 
 
 def rate_factor(updates_done, total_steps, warmup_ratio=0.1):
@@ -159,12 +107,6 @@ def sgd_replay(model_folder, steps, dtype, total_steps, loss_fn=ranking_loss, sk
 def updates(trained, initial, names=None):
     """What training changed, in float64, over `names` (default: every weight)."""
     return {name: trained[name].double() - initial[name].double() for name in names or initial}
-
-
-def in_steps(batches, accumulation):
-    """A process's batches cut into optimizer steps of `accumulation` batches."""
-    assert len(batches) % accumulation == 0
-    return [batches[k : k + accumulation] for k in range(0, len(batches), accumulation)]
 
 
 def tokens(model_folder, batches):
@@ -366,6 +308,68 @@ def test_a_bad_step_in_the_middle_under_deepspeed_skips_exactly_its_update(
     }
 
 
+# A run under float16 autocast is judged by its distance to the float64 replay relative to the update (as bf16
+# is, test_sources.BF16_UPDATE): within 8 x fp16's unit roundoff 2^-11 (measured: 1.6e-4; a step's update
+# applied or skipped is 20 times the budget).
+FP16_UPDATE = 8 * 2**-11
+
+
+def test_an_fp16_overflow_in_the_middle_skips_exactly_its_update(
+    tmp_path, data, model_without_dropout, monkeypatch, capsys
+):
+    """accelerate's fp16 path on a CPU (float16 autocast and torch's CPU GradScaler: tests/faults), at a loss
+    scale that does not overflow by itself, with infinite gradients forced at step 3 of 6: the scaler skips
+    that update alone (the scale halves there, and only there), every logged rate is the schedule's at the
+    updates applied so far, and the weights of every later step are the float64 replay's that skips exactly
+    that update, within fp16's budget (step 3's checkpoint holds step 2's weights). The wrong path, outside
+    it: the replay applying step 3's batch."""
+    from test_reliability import run_with_faults
+
+    run_dir, total, overflow = tmp_path / "run", 6, 3
+    args = ("--model", model_without_dropout, "--data", data[0], "--dev_data", "", "--max_steps", total)
+    args += ("--lr", SGD_LR, "--max_grad_norm", 0, "--save_steps", 1, "--save_total_limit", 0)
+    faults = {"GRADCACHE_FP16_SCALER": str(2.0**10), "GRADCACHE_FAULT_INF": str(overflow)}
+    with monkeypatch.context() as patch:
+        batches = record_batches(patch)
+        run_with_faults(run_dir, *args, faults=faults)
+    printed = capsys.readouterr().out
+    assert "mixed_precision: fp16" in printed
+    assert f"step {overflow}: fp16 overflow, update skipped" in printed
+    steps = in_steps(batches, 1)
+    assert len(steps) == total
+    logged = {tag: dict(values) for tag, values in logged_scalars(run_dir).items()}
+    scales = logged["train/loss_scale"]
+    assert [step for step in scales if scales[step] < scales.get(step - 1, 2.0**10)] == [overflow]
+    assert logged["train/nonfinite_steps"] == {step: 0.0 for step in range(1, total + 1)}  # not a bad step
+    applied_before = {step: step - 1 - (step > overflow) for step in range(1, total + 1)}
+    assert logged["train/learning_rate"] == {
+        step: pytest.approx(SGD_LR * rate_factor(applied, total), rel=1e-6)
+        for step, applied in applied_before.items()
+    }
+    right, wrong = (
+        sgd_replay(model_without_dropout, steps, torch.float64, total, skipped=skipped)["weights"]
+        for skipped in ((overflow,), ())
+    )
+    initial = weights(model_without_dropout)
+    saved = sorted(int(path.name.removeprefix("step_")) for path in (run_dir / "checkpoints").iterdir())
+    assert saved == list(range(1, total + 1))  # an overflow is no bad step: its checkpoint is saved
+    checkpoints = {
+        step: load_file(run_dir / "checkpoints" / f"step_{step}" / "model.safetensors") for step in saved
+    }
+    before, at = checkpoints[overflow - 1], checkpoints[overflow]
+    assert all(torch.equal(at[name], before[name]) for name in at)  # the overflow moved no weight
+    for step, trained in checkpoints.items():
+        names = sorted(trained)
+        run = updates(trained, initial, names)
+        error = relative_error(run, updates(right[step - 1], initial, names))
+        print(f"fp16 overflow at step {overflow}, step {step}: updates {error:.1e} from the float64 replay")
+        assert error <= FP16_UPDATE, f"step {step}: {error:.1e} (fp16 budget {FP16_UPDATE:.1e})"
+        if step > overflow:
+            applied = relative_error(run, updates(wrong[step - 1], initial, names))
+            print(f"fp16 overflow, step {step}: against the replay applying step {overflow} {applied:.1e}")
+            assert applied > FP16_UPDATE, f"step {step} matches the replay applying it: {applied:.1e}"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 3. Teacher-scored positives, drawn anew each epoch
 # ---------------------------------------------------------------------------------------------------------
@@ -385,19 +389,6 @@ def scored_records(count=16, positives=3):
          "neg_scores": [rng.uniform(-4, 4)]}
         for i in range(count)
     ]  # fmt: skip
-
-
-def teacher_of(path, first_only=False, swapped=False):
-    """{(anchor, drawn positive): [its score, the negative's]} read from the raw JSON lines with json. Wrong
-    paths: `first_only`, every positive with the first one's score; `swapped`, the two fields' scores
-    exchanged (the negative's score given to the positive)."""
-    scores = {}
-    for line in Path(path).read_text().splitlines():
-        record = json.loads(line)
-        for place, positive in enumerate(record["positive"]):
-            row = [record["pos_scores"][0 if first_only else place], *record["neg_scores"]]
-            scores[record["anchor"], positive] = row[::-1] if swapped else row
-    return scores
 
 
 def distilling_loss(teacher, weight):
