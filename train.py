@@ -255,9 +255,8 @@ def main(args):
     window, masks_warned = logs.LogWindow(), False
     chunking = {"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {"chunk_size": args.chunk_size}
     bar = tqdm(total=total_steps, initial=progress.global_step, disable=not accelerator.is_main_process)
-    stage.bar = bar  # where each step is, shown on it
     preemption.mark(progress)  # where the coming step starts: what a signal during it saves
-    with bar, logs.printing_above(bar):  # an error's line (printed at the file's end) comes after the bar
+    with bar, logs.printing_above(bar), stage.showing_on(bar):  # an error's line comes after the bar
         for batch in run.batches_from(progress, loader, accelerator, total_steps):
             started = time.perf_counter()
             source = int(batch[pairs.SOURCE_COLUMN][0]) if pairs.SOURCE_COLUMN in batch else 0  # SourceMix's

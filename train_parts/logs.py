@@ -190,10 +190,18 @@ STAGE_SECONDS = 1.0
 
 class StageOnBar:
     """gradcache's `interrupt(stage, group, groups)` that also shows on the progress bar where a step is
-    ("encode 3/16", "backward 5/15"): a step of minutes left the bar frozen. `bar`: set once it exists."""
+    ("encode 3/16", "backward 5/15"): a step of minutes left the bar frozen; while `showing_on(bar)`."""
 
     def __init__(self, interrupt):
         self.interrupt, self.bar, self.shown = interrupt, None, -math.inf
+
+    @contextlib.contextmanager
+    def showing_on(self, bar):
+        self.bar = bar
+        try:
+            yield
+        finally:
+            self.bar = None
 
     def __call__(self, stage, group, groups):
         if self.bar is not None and time.monotonic() - self.shown >= STAGE_SECONDS:
