@@ -27,7 +27,7 @@ of what the loss receives (for st its embeddings and masks); their gradients are
 step's peak less both. st runs under --cap_gib and stops at the first batch that does not fit; the
 comparison is at the largest batch it fits.
 
-    python bench/multi_vector_memory.py                             # CPU: batches 256 and 1,024, ~15 min
+    python bench/multi_vector_memory.py                             # CPU: batches 1,024 and 4,096, ~45 min
     python bench/multi_vector_memory.py --device cuda --preset gpu  # one GPU: batches 1,024 and 4,096
     python bench/multi_vector_memory.py --preset smoke              # seconds: the test suite runs this
 
@@ -60,11 +60,11 @@ METHOD_LABELS = {
 WARMUP_BATCH = 8
 PHASES = ("loss", "report", "chunks")  # Stages' readings, as the table shows them
 # The CPU's time goes to stage 2, every query's MaxSim against every document of the batch (16 x 180 token
-# pairs each), which grows with the square of the batch: on 2 cores the batch stops at 1,024 (4,096 would
-# take 16 times as long there), and the pairs have no hard negatives (a column of them doubles the documents).
+# pairs each), which grows with the square of the batch: on 2 cores a step at 4,096 takes about 20 minutes,
+# so the CPU's pairs have no hard negatives (a column of them doubles the documents).
 PRESETS = {
-    "cpu": {"batch_sizes": [256, 1024], "hard_negatives": 0, "query_tokens": 16, "document_tokens": 180,
-            "chunk_size": 32, "hidden_size": 128, "num_layers": 2, "cap_gib": 8.0, "one_process": False},
+    "cpu": {"batch_sizes": [1024, 4096], "hard_negatives": 0, "query_tokens": 16, "document_tokens": 180,
+            "chunk_size": 32, "hidden_size": 128, "num_layers": 2, "cap_gib": 16.0, "one_process": False},
     "gpu": {"batch_sizes": [1024, 4096], "hard_negatives": 1, "query_tokens": 16, "document_tokens": 180,
             "chunk_size": 32, "hidden_size": 128, "num_layers": 2, "cap_gib": None, "one_process": False},
     # the test suite's: every point in this process (train.py's imports take seconds in each new one), so
