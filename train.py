@@ -31,10 +31,8 @@ README.md's feature map says, for each flag, where it acts and the test that gua
 """
 
 import argparse
-import collections
 import dataclasses
 import functools
-import hashlib
 import math
 import os
 import re
@@ -48,11 +46,7 @@ from train_parts.common import check_versions, fail, flags_of, print_error
 # Before importing them, so that an older version says so instead of failing on a missing name.
 check_versions({"torch": "2.5", "accelerate": "1.0", "sentence-transformers": "6.0", "datasets": "3.0"})
 
-import numpy
-import pandas
 import psutil
-import pyarrow
-import pyarrow.compute
 import torch
 from accelerate import Accelerator, DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 from accelerate.utils import ProjectConfiguration, send_to_device, set_seed
@@ -63,6 +57,7 @@ from tqdm.auto import tqdm
 import gradcache
 from train_parts import final, fsdp, logs, models, multi_vector, pairs, run, sparse
 from train_parts.launch import check_deepspeed_runs, launch_facts, main_process_first
+from train_parts.records import positives_by_anchor, text_id
 
 # DeepSpeed 0.19's ZeRO-3 calls torch.distributed's all_gather_into_tensor and reduce_scatter_tensor, which
 # torch 2.13 deprecates: a FutureWarning at nearly every call (100 in an 8-step run), about DeepSpeed's code,
@@ -774,7 +769,8 @@ def source_steps(args, sources, accelerator, engine, model, prompts, train_sets,
     preemption that stops a step at its next group of chunks, the graph budget and a sparse encoder's
     regularizers (`penalty`, a SparsityPenalty, or None)."""
     # An anchor's other positives in the data are no negatives of it (--mask_repeated_texts).
-    known_positives = positives_by_anchor(*train_sets) if args.mask_repeated_texts == "on" else None
+    with main_process_first(accelerator):  # the first process fills the cache of known positives
+        known_positives = positives_by_anchor(*train_sets) if args.mask_repeated_texts == "on" else None
     guide = models.load_guide(args.guide_model, accelerator, args.trust_remote_code)  # it masks negatives
     shared = dict(stats=stats, known_positives=known_positives, guide=guide, interrupt=interrupt)
     return [
@@ -947,46 +943,6 @@ def false_negatives(args, accelerator, batch, known_positives, guide=None, guide
     others = torch.tensor([row + [-1] * (width - len(row)) for row in answers], device=accelerator.device)
     ids = [gather(torch.tensor(column_ids, device=accelerator.device)) for column_ids in ids]
     return gradcache.FalseNegatives(ids=ids, other_positives=gather(others), **options)
-
-
-def positives_by_anchor(*train_sets):
-    """{anchor id: ids of its positives} for the anchors with several positives in the data (a list, or
-    several records, of any source): every one of them is a right answer of the anchor, never one of its
-    negatives. Read in Arrow batches: a vectorized hash of every anchor (8 bytes a record) finds the anchors
-    of several records or positives, and only their rows are read as texts, for their text ids."""
-    batches = [batch for data in train_sets for batch in arrow_batches(data)]  # memory-mapped: no copies
-    quick = numpy.concatenate([pandas.util.hash_array(a.to_numpy(zero_copy_only=False)) for a, _ in batches])
-    ordered = numpy.sort(quick)
-    repeated = numpy.unique(ordered[1:][ordered[1:] == ordered[:-1]])  # a hash collision: one row more read
-    del ordered
-    several, start = collections.defaultdict(set), 0
-    for anchors, positives in batches:
-        hashes, start = quick[start : start + len(anchors)], start + len(anchors)
-        chosen = numpy.isin(hashes, repeated)
-        if pyarrow.types.is_list(positives.type):
-            chosen |= pyarrow.compute.list_value_length(positives).to_numpy(zero_copy_only=False) > 1
-        for anchor, texts in zip(
-            anchors.filter(chosen).to_pylist(), positives.filter(chosen).to_pylist(), strict=True
-        ):
-            several[text_id(anchor)].update(map(text_id, texts if isinstance(texts, list) else [texts]))
-    return {anchor: sorted(ids) for anchor, ids in several.items() if len(ids) > 1}
-
-
-def arrow_batches(data):
-    """(anchors, positives) as Arrow arrays, 10,000 records at a time, of a datasets.Dataset or of columns as
-    lists."""
-    if not hasattr(data, "with_format"):
-        positives = [texts if isinstance(texts, list) else [texts] for texts in data["positive"]]
-        yield pyarrow.array(data["anchor"]), pyarrow.array(positives)
-        return
-    for batch in data.select_columns(["anchor", "positive"]).with_format("arrow").iter(10_000):
-        yield batch["anchor"], batch["positive"]
-
-
-def text_id(text):
-    """A text's id in the false-negative masks: equal texts, equal ids, on every process and in every run (a
-    hash, where Python's hash() is salted per process); 63 bits, so that it is >= 0 as an int64."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
 def guide_representations(guide, batch, gather, chunk_size=32):

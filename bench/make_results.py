@@ -574,7 +574,7 @@ def data_scale_targets(saved):
             masks = max(r["positives_s"] for r in point["reusing"])
             reasons.append(f"Data, {triples:,} triples: the reused first batch came {first:.1f} s after the "
                            f"launch, {masks:.1f} s of it positives_by_anchor (--mask_repeated_texts on: "
-                           f"every anchor hashed); load average {saved['load_average']:.1f} on "
+                           f"read from the data cache); load average {saved['load_average']:.1f} on "
                            f"{saved['cpus']} cores at the start.")  # fmt: skip
     if len(points) >= 2:
         (small, low), (large, high) = sorted(points.items())[0], sorted(points.items())[-1]

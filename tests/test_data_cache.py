@@ -4,6 +4,7 @@ reused without reading the source, converted again when the source or the option
 processes convert at once, and a cache folder that cannot be written stops in one line naming the variable
 that moves it. The batch order over it is the order over the same records held in memory."""
 
+import itertools
 import json
 import multiprocessing
 import os
@@ -13,7 +14,9 @@ import socket
 import time
 
 import datasets
+import numpy
 import pytest
+import torch
 
 from train_parts import pairs, records
 
@@ -161,7 +164,9 @@ def test_a_save_to_disk_folder_is_used_in_place_unless_a_record_needs_the_conver
         hub, _ = pairs.load_pairs("org/triples", "negatives=neg1+neg2")
     assert hub.to_list() == converted.to_list() and hub.cache_files == in_place.cache_files
 
-    records_[7]["pos"] = "  "  # blank: the conversion names it
+    records_[7]["pos"] = (
+        " \x1c\u3000"  # blank to Python's isspace and to Arrow's trim: the conversion names it
+    )
     datasets.Dataset.from_list(records_).save_to_disk(str(tmp_path / "blank"))
     with pytest.raises(pairs.DataError, match=r"record 8 has field 'pos' empty"):
         pairs.load_pairs(str(tmp_path / "blank"))
@@ -200,8 +205,67 @@ def test_the_batch_order_over_the_table_is_the_order_over_the_records_in_memory_
     assert expected[0] != expected[1]
 
 
-def test_the_positives_of_each_anchor_are_collected_from_the_table_as_from_the_raw_records(tmp_path):
-    """train.positives_by_anchor over a converted table, against ids computed here from the JSON lines."""
+def test_the_batch_order_is_sentence_transformers_rule_over_the_same_shuffles(monkeypatch):
+    """pairs.NoDuplicatesOrder, streamed, against sentence-transformers' NoDuplicatesBatchSampler given the
+    same shuffles (its torch.randperm replaced by pairs.shuffled's orders): texts from small pools, so that
+    many examples wait for a later batch and an epoch needs passes in new orders; the positives drawn from
+    lists each epoch as PositiveDraws documents it (random.Random(f"{seed}:{epoch}:{index}"))."""
+    from sentence_transformers.base import sampler as st_sampler
+
+    draw, size, batch_size, seed = random.Random(7), 240, 8, 5
+    columns = {
+        "anchor": [f"q{draw.randrange(70)}" for _ in range(size)],
+        "positive": [[f"d{draw.randrange(90)}" for _ in range(draw.randrange(1, 4))] for _ in range(size)],
+        "negative_1": [f"d{draw.randrange(90)}" for _ in range(size)],
+    }
+    order = pairs.NoDuplicatesOrder(datasets.Dataset.from_dict(columns), batch_size, seed)
+    for epoch in (0, 3):
+        ours = list(order.indices(epoch))
+        drawn = [texts[random.Random(f"{seed}:{epoch}:{i}").randrange(len(texts))]
+                 for i, texts in enumerate(columns["positive"])]  # fmt: skip
+        shown = datasets.Dataset.from_dict(columns | {"positive": drawn})
+        shuffles = (pairs.shuffled(size, f"{seed}:{epoch}:{extra}") for extra in itertools.count())
+
+        def same_shuffles(*_, dtype, shuffles=shuffles, **__):
+            return torch.from_numpy(numpy.concatenate(list(next(shuffles)))).to(dtype)
+
+        monkeypatch.setattr(st_sampler.torch, "randperm", same_shuffles)
+        reference = st_sampler.NoDuplicatesBatchSampler(shown, batch_size, drop_last=True)
+        expected = [index for batch in reference for index in batch]
+        monkeypatch.undo()
+        assert ours == expected
+        first_pass = [index for batch in order.one_pass(epoch, 0) for index in batch]
+        assert len(first_pass) < len(order), "no pass in a new order was needed: the case is too easy"
+        in_shuffle = numpy.concatenate(list(pairs.shuffled(size, f"{seed}:{epoch}:0")))
+        assert first_pass != [i for i in in_shuffle.tolist() if i in set(first_pass)], "no example waited"
+
+
+def test_the_batch_order_holds_no_index_per_example():
+    """The first 20 batches of an epoch of 2^20 examples, of one source and of two mixed: Python's and
+    numpy's allocations (tracemalloc) stay under a quarter of an int64 index per example (torch.randperm's
+    order and sentence-transformers' linked list of positions take 8 bytes an example; torch's allocations
+    are not traced, numpy's are)."""
+    import tracemalloc
+
+    size = 1 << 20
+    data = datasets.Dataset.from_dict(
+        {"anchor": [f"a{i}" for i in range(size)], "positive": [f"p{i}" for i in range(size)]}
+    )
+    for sets in ([data], [data, data]):
+        loader = pairs.make_loader(sets, pairs.BatchOrder(batch_size=64, seed=1))
+        tracemalloc.start()
+        batches = list(itertools.islice(loader, 20))
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert len(batches) == 20 and peak < size * 8 / 4, f"{len(sets)} source(s): {peak / 2**20:.1f} MiB"
+
+
+def test_the_positives_of_each_anchor_are_collected_from_the_table_as_from_the_raw_records(
+    tmp_path, monkeypatch
+):
+    """train.positives_by_anchor (records.py's) over a converted table, against ids computed here from the
+    JSON lines; the answer is kept in the data cache and read back by the next run, but never for another
+    table: a selection of the rows (--max_train_examples) or a source changed on disk searches again."""
     import hashlib
 
     import train
@@ -209,15 +273,36 @@ def test_the_positives_of_each_anchor_are_collected_from_the_table_as_from_the_r
     def text_id(text):  # the ids of the masks, as train.py documents them: blake2b, 8 bytes, shifted
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
+    def expected_of(lines):
+        expected = {}
+        for line in lines:
+            expected.setdefault(text_id(line["anchor"]), set()).update(map(text_id, line["positive"]))
+        return {anchor: sorted(ids) for anchor, ids in expected.items() if len(ids) > 1}
+
+    def searched(table):  # (the answer, whether the records were searched rather than the cache read)
+        calls = []
+        monkeypatch.setattr(records, "find_positives_by_anchor", lambda sets: calls.append(1) or search(sets))
+        return train.positives_by_anchor(table), bool(calls)
+
+    search = records.find_positives_by_anchor
+    monkeypatch.setenv(records.CACHE_VARIABLE, str(tmp_path / "cache"))
     draw = random.Random(4)
     lines = [{"anchor": f"q{draw.randrange(40)}", "positive": [f"p{draw.randrange(9)}" for _ in range(
         draw.randrange(1, 3))], "negative": f"n{i}"} for i in range(300)]  # fmt: skip
     lines.append({"anchor": "alone", "positive": ["one", "two"], "negative": "n"})  # several in one record
     source = tmp_path / "pairs.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    expected = {}
-    for line in lines:
-        expected.setdefault(text_id(line["anchor"]), set()).update(map(text_id, line["positive"]))
-    expected = {anchor: sorted(ids) for anchor, ids in expected.items() if len(ids) > 1}
-    assert train.positives_by_anchor(pairs.load_pairs(str(source))[0]) == expected
+    expected = expected_of(lines)
     assert text_id("alone") in expected
+    assert searched(pairs.load_pairs(str(source))[0]) == (expected, True)
+    assert len(list((tmp_path / "cache" / "known_positives").glob("*.json"))) == 1
+    assert searched(pairs.load_pairs(str(source))[0]) == (expected, False)  # the next run reads the cache
+    chosen = pairs.load_pairs(str(source))[0].shuffle(seed=1, keep_in_memory=True)
+    chosen = chosen.select(range(100), keep_in_memory=True)  # as train.load_data keeps --max_train_examples
+    rows = [{"anchor": row["anchor"], "positive": row["positive"]} for row in chosen]
+    assert searched(chosen) == (expected_of(rows), True)
+    assert expected_of(rows) != expected
+    lines[0] = {"anchor": "alone", "positive": ["three"], "negative": "n"}
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))  # changed on disk
+    assert searched(pairs.load_pairs(str(source))[0]) == (expected_of(lines), True)
+    assert expected_of(lines) != expected

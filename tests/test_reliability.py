@@ -488,13 +488,14 @@ def test_fp16_overflows_are_skipped_by_the_scaler_and_training_goes_on(
     at a scale that overflows the first steps, more of them in a row than --max_bad_steps; a NaN loss at
     step 5 is a bad step, and must leave the scaler working. In this process (suite time)."""
     args = ("--model", model_without_dropout, "--data", data[0], "--max_steps", 6, "--save_steps", 3)
-    faults = {"GRADCACHE_FP16_SCALER": str(2.0**20), "GRADCACHE_FAULT_NAN": "5"}
+    initial_scale = 2.0**22  # the tiny model's gradients overflow float16 from about 2**19 up
+    faults = {"GRADCACHE_FP16_SCALER": str(initial_scale), "GRADCACHE_FAULT_NAN": "5"}
     run_with_faults(tmp_path, *args, "--max_bad_steps", 2, faults=faults)
     done = capsys.readouterr()
     assert "mixed_precision: fp16" in done.out
     logged = {tag: dict(values) for tag, values in logged_scalars(tmp_path).items()}
     scales, skipped = logged["train/loss_scale"], logged["train/skipped_steps"]
-    overflows = [step for step in scales if scales[step] < scales.get(step - 1, 2.0**20)]
+    overflows = [step for step in scales if scales[step] < scales.get(step - 1, initial_scale)]
     assert len(overflows) > 2 and overflows == list(range(1, len(overflows) + 1))  # the first steps
     assert all(f"step {step}: fp16 overflow, update skipped" in done.out for step in overflows)
     assert logged["train/nonfinite_steps"] == {step: float(step >= 5) for step in range(1, 7)}

@@ -25,11 +25,13 @@ import csv
 import dataclasses
 import glob
 import gzip
+import hashlib
 import itertools
 import json
 import math
 import random
 import re
+import warnings
 from pathlib import Path
 
 import datasets
@@ -39,7 +41,6 @@ import pandas
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
-from sentence_transformers.base.sampler import NoDuplicatesBatchSampler
 from sentence_transformers.multi_vector_encoder.evaluation import MultiVectorInformationRetrievalEvaluator
 from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 from sentence_transformers.sparse_encoder.evaluation import SparseInformationRetrievalEvaluator
@@ -205,6 +206,7 @@ def field_roles(fields, present):
 SCORE_FIELDS = ("pos_scores", "neg_scores")
 SCORE_COLUMNS = ("positive_scores", "negative_scores", "teacher_scores")
 SOURCE_COLUMN = "source"  # a batch's --data source, with several
+RESAMPLE_PASSES = 2  # new orders where repeated texts leave an epoch short, as sentence-transformers does
 
 
 def mapped_fields(source, columns, present, teacher_scores):
@@ -512,8 +514,11 @@ def make_loader(train_sets, order, names=None):
 
 
 class NoDuplicatesOrder(torch.utils.data.Sampler):
-    """Indices in the batch order of sentence-transformers' NoDuplicatesBatchSampler: no text twice in a
-    batch, across columns (a duplicate is a false negative); seeded by seed + epoch, so a resume replays it.
+    """Indices in batches that hold no text twice, across columns (a duplicate is a false negative): the
+    rule of sentence-transformers' NoDuplicatesBatchSampler (a text that repeats one in the batch waits for a
+    later batch, and leads it), streamed, so that an epoch holds a batch and the texts waiting, never an
+    index per example: the shuffle is a keyed permutation (`shuffled`) computed block by block, the texts are
+    compared by their 64-bit hashes. Seeded by seed + epoch, so a resume replays it.
     A flat sampler, not a batch sampler: the DataLoader then keeps a `batch_size`, which accelerate needs to
     shard batches over processes and to fill DeepSpeed's "auto" micro-batch size. `group` batches in a row
     hold no text twice together: with cross-process negatives a step contrasts the batches of all processes,
@@ -521,21 +526,95 @@ class NoDuplicatesOrder(torch.utils.data.Sampler):
 
     def __init__(self, dataset, batch_size, seed, group=1):
         self.examples = PositiveDraws(dataset, seed)  # what the DataLoader reads: one positive per example
-        texts = self.texts = PositiveDraws(
-            dataset, seed, texts_only=True
-        )  # what the sampler compares: no scores
-        size = self.batch_size = batch_size * group
-        self.batches = NoDuplicatesBatchSampler(texts, size, True, generator=torch.Generator(), seed=seed)
+        self.batch_size, self.seed, self.epoch = batch_size * group, seed, 0
 
     def set_epoch(self, epoch):  # called by accelerate's DataLoaderShard.set_epoch
-        self.examples.epoch = self.texts.epoch = epoch
-        self.batches.set_epoch(epoch)
+        self.examples.epoch = self.epoch = epoch
 
     def __iter__(self):
-        return itertools.chain.from_iterable(self.batches)
+        return self.indices(self.epoch)
 
     def __len__(self):
-        return len(self.batches) * self.batch_size
+        return len(self.examples) // self.batch_size * self.batch_size
+
+    def indices(self, epoch):
+        """The indices of `epoch`'s batches, one after the other. As sentence-transformers' sampler does,
+        passes in new orders follow where data with many repeated texts fill fewer batches than __len__
+        promises the scheduler (and then warn)."""
+        wanted, made = len(self) // self.batch_size, 0
+        for extra_pass in range(1 + RESAMPLE_PASSES if wanted else 0):
+            if extra_pass == 1:
+                warnings.warn(
+                    f"{made} batches of {self.batch_size} examples without a text twice fill only part of an "
+                    f"epoch of {wanted}: the rest repeat examples. Lower --batch_size, or remove repeated "
+                    "texts.",
+                    stacklevel=2,
+                )
+            for batch in self.one_pass(epoch, extra_pass):
+                yield from batch
+                made += 1
+                if made == wanted:
+                    return
+
+    def one_pass(self, epoch, extra_pass):
+        """One shuffle's full batches. `waiting` holds the examples passed over (a text of theirs was in the
+        batch), in the shuffle's order: each batch tries them first, then the examples not yet seen."""
+        order = shuffled(len(self.examples), f"{self.seed}:{epoch}:{extra_pass}")
+        waiting, upcoming = [], self.hashed(epoch, order)
+        while True:
+            batch, taken, still_waiting = [], set(), []
+            for example in waiting:
+                if len(batch) < self.batch_size and taken.isdisjoint(example[1]):
+                    batch.append(example[0])
+                    taken.update(example[1])
+                else:
+                    still_waiting.append(example)
+            waiting = still_waiting
+            for example in upcoming if len(batch) < self.batch_size else ():
+                if taken.isdisjoint(example[1]):
+                    batch.append(example[0])
+                    taken.update(example[1])
+                    if len(batch) == self.batch_size:
+                        break
+                else:
+                    waiting.append(example)
+            if len(batch) == self.batch_size:
+                yield batch
+            elif not waiting:  # every example seen: the last, part batch is dropped
+                return
+
+    def hashed(self, epoch, indices):
+        """(index, hashes of its texts) for `indices`: the texts of a block of examples read at once."""
+        for block in map(numpy.ndarray.tolist, indices):
+            rows = self.examples.texts(block, epoch)
+            hashes = pandas.util.hash_array(numpy.array(rows, dtype=object).ravel())  # alike in every process
+            yield from zip(block, map(frozenset, hashes.reshape(len(rows), -1).tolist()), strict=True)
+
+
+def shuffled(size, key, block=1024):
+    """0 .. size - 1 in the order of a permutation keyed by `key` (a text), in numpy blocks of at most
+    `block`: a 4-round Feistel network over the smallest even power of two >= size, its outputs >= size left
+    out. No memory per index, unlike torch.randperm; the same key, the same order in every process and run."""
+    half = max(1, ((size - 1).bit_length() + 1) // 2)
+    mask = numpy.uint64((1 << half) - 1)
+    round_keys = [int.from_bytes(hashlib.blake2b(f"{key}:{r}".encode(), digest_size=8).digest(), "little")
+                  for r in range(4)]  # fmt: skip
+    for start in range(0, 1 << (2 * half), block):
+        positions = numpy.arange(start, min(start + block, 1 << (2 * half)), dtype=numpy.uint64)
+        left, right = positions >> numpy.uint64(half), positions & mask
+        for round_key in round_keys:
+            left, right = right, left ^ (mixed(right ^ numpy.uint64(round_key)) & mask)
+        values = (left << numpy.uint64(half)) | right
+        values = values[values < size]
+        if len(values):
+            yield values.astype(numpy.int64)
+
+
+def mixed(x):
+    """splitmix64's finalizer (Steele, Lea, Flood 2014) on uint64 arrays: the Feistel rounds' function."""
+    x = (x ^ (x >> numpy.uint64(30))) * numpy.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> numpy.uint64(27))) * numpy.uint64(0x94D049BB133111EB)
+    return x ^ (x >> numpy.uint64(31))
 
 
 class SourceMix(torch.utils.data.Sampler):
@@ -584,14 +663,14 @@ class SourceMix(torch.utils.data.Sampler):
 
     def __iter__(self):
         used = collections.Counter(source for epoch in range(self.epoch) for source in self.schedule(epoch))
-        orders = {}
+        reading = {}  # source: (its pass, the indices of the pass still to come)
         for source in self.schedule(self.epoch):
             source_pass, step = divmod(used[source], self.steps[source])
             used[source] += 1
-            if orders.get(source, (None,))[0] != source_pass:
-                self.orders[source].set_epoch(source_pass)
-                orders[source] = source_pass, numpy.fromiter(self.orders[source], numpy.int64)  # 8 bytes each
-            indices = orders[source][1][step * self.step_size : (step + 1) * self.step_size].tolist()
+            if reading.get(source, (None,))[0] != source_pass:  # begun in an earlier epoch: skip its head
+                indices = self.orders[source].indices(source_pass)
+                reading[source] = source_pass, itertools.islice(indices, step * self.step_size, None)
+            indices = itertools.islice(reading[source][1], self.step_size)
             yield from ((source, source_pass, index) for index in indices)
 
     def __len__(self):  # asked often by the DataLoader and accelerate: no new schedule each time
@@ -616,11 +695,13 @@ class SourceExamples(torch.utils.data.Dataset):
 class PositiveDraws(torch.utils.data.Dataset):
     """The examples, each with one of its positives when it has a list of them: drawn anew each epoch from
     (seed, epoch, example), so a resumed run draws what the uninterrupted one drew. With a teacher's scores,
-    the drawn positive's and the negatives' become `teacher_scores` (left out with `texts_only`)."""
+    the drawn positive's and the negatives' become `teacher_scores`. `texts` reads many examples' texts at
+    once, for the batch order."""
 
-    def __init__(self, dataset, seed, texts_only=False):
-        self.dataset, self.seed, self.epoch, self.texts_only = dataset, seed, 0, texts_only
+    def __init__(self, dataset, seed):
+        self.dataset, self.seed, self.epoch = dataset, seed, 0
         self.column_names = dataset.column_names
+        self.text_data = dataset.select_columns(text_columns(self.column_names))
 
     def __len__(self):
         return len(self.dataset)
@@ -631,14 +712,24 @@ class PositiveDraws(torch.utils.data.Dataset):
     def draw(self, index, epoch):
         example, drawn = self.dataset[index], 0
         if isinstance(example["positive"], list):
-            draw = random.Random(f"{self.seed}:{epoch}:{index}")
-            drawn = draw.randrange(len(example["positive"]))  # what draw.choice draws
+            drawn = self.drawn(index, epoch, len(example["positive"]))
             example["positive"] = example["positive"][drawn]
         if "positive_scores" in example:
-            scores = [example.pop("positive_scores")[drawn], *example.pop("negative_scores")]
-            if not self.texts_only:
-                example["teacher_scores"] = scores
+            scores = example.pop("positive_scores")[drawn], *example.pop("negative_scores")
+            example["teacher_scores"] = list(scores)
         return example
+
+    def drawn(self, index, epoch, count):
+        return random.Random(f"{self.seed}:{epoch}:{index}").randrange(count)  # what random.choice draws
+
+    def texts(self, indices, epoch):
+        """The texts of the examples `indices` (the drawn positive of each), a tuple an example."""
+        columns = self.text_data[indices]
+        columns["positive"] = [
+            texts[self.drawn(index, epoch, len(texts))] if isinstance(texts, list) else texts
+            for index, texts in zip(indices, columns["positive"], strict=True)
+        ]
+        return list(zip(*columns.values(), strict=True))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -2,10 +2,14 @@
 table that every process memory-maps (the pages are the OS's, shared by the processes of a node), reused by
 later runs and resumes until the source changes.
 
-Flags served: --data, --dev_data (through pairs.load_pairs); the cache folder moves with the environment
-variable GRADCACHE_DATA_CACHE (default: datasets' cache, HF_DATASETS_CACHE, in gradcache_pairs/).
+Also kept there: each anchor's known positives (positives_by_anchor), searched once per table.
+
+Flags served: --data, --dev_data (through pairs.load_pairs), --mask_repeated_texts (positives_by_anchor);
+the cache folder moves with the environment variable GRADCACHE_DATA_CACHE (default: datasets' cache,
+HF_DATASETS_CACHE, in gradcache_pairs/).
 """
 
+import collections
 import glob
 import hashlib
 import json
@@ -16,10 +20,13 @@ import tempfile
 from pathlib import Path
 
 import datasets
+import numpy
+import pandas
 import pyarrow as pa
 import pyarrow.compute as pc
 
 __all__ = ["DataError", "CACHE_VARIABLE", "cache_root", "stamp", "cached_table", "ExampleWriter"]
+__all__ += ["positives_by_anchor", "text_id"]
 
 CACHE_VARIABLE = "GRADCACHE_DATA_CACHE"
 FORMAT = 1  # raised when the table's layout changes: older conversions are then not reused
@@ -183,3 +190,77 @@ class ExampleWriter:
                 batch["negative_scores"], 0, self.fewest, return_fixed_size_list=False
             )
         return pa.table(columns)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Known positives: an anchor's other positives in the data are right answers, never its negatives
+# ---------------------------------------------------------------------------------------------------------
+def positives_by_anchor(*train_sets):
+    """{anchor id: ids of its positives} for the anchors with several positives in the data (a list, or
+    several records, of any source): every one of them is a right answer of the anchor, never one of its
+    negatives. Tables read from files (the data cache, a save_to_disk folder) keep the answer in the data
+    cache (cache_root()/known_positives/), keyed by the files' stamps and the tables' fingerprints (which
+    follow --max_train_examples' selection): later runs and resumes read it instead of every anchor."""
+    if not all(getattr(data, "cache_files", None) for data in train_sets):  # in memory: nothing to key by
+        return find_positives_by_anchor(train_sets)
+    key = [
+        stamp(file["filename"] for data in train_sets for file in data.cache_files),
+        [[data._fingerprint, len(data)] for data in train_sets],
+    ]
+    digest = hashlib.blake2b(json.dumps(key).encode(), digest_size=16).hexdigest()
+    path = cache_root() / "known_positives" / f"{digest}.json"
+    if path.is_file():
+        return {int(anchor): ids for anchor, ids in json.loads(path.read_text()).items()}
+    known = find_positives_by_anchor(train_sets)
+    try:  # written whole, then renamed into place: a reader never sees a part
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_name(f"{path.name}.part-{os.getpid()}")
+        part.write_text(json.dumps(known))
+        part.replace(path)
+    except OSError:  # a cache that cannot be written costs the next run this search again, nothing else
+        pass
+    return known
+
+
+def find_positives_by_anchor(train_sets):
+    """positives_by_anchor, read in Arrow batches: a vectorized hash of every anchor (4 bytes a record, the
+    high half of a 64-bit hash) finds the anchors of several records or positives, and only their rows are
+    read as texts, for their text ids. A collision of the halves costs reading one row more, nothing else."""
+    batches = [batch for data in train_sets for batch in arrow_batches(data)]  # memory-mapped: no copies
+    quick = numpy.concatenate(
+        [
+            (pandas.util.hash_array(a.to_numpy(zero_copy_only=False)) >> 32).astype(numpy.uint32)
+            for a, _ in batches
+        ]
+    )
+    ordered = numpy.sort(quick)
+    repeated = numpy.unique(ordered[1:][ordered[1:] == ordered[:-1]])
+    del ordered
+    several, start = collections.defaultdict(set), 0
+    for anchors, positives in batches:
+        hashes, start = quick[start : start + len(anchors)], start + len(anchors)
+        chosen = numpy.isin(hashes, repeated)
+        if pa.types.is_list(positives.type):
+            chosen |= pc.list_value_length(positives).to_numpy(zero_copy_only=False) > 1
+        for anchor, texts in zip(
+            anchors.filter(chosen).to_pylist(), positives.filter(chosen).to_pylist(), strict=True
+        ):
+            several[text_id(anchor)].update(map(text_id, texts if isinstance(texts, list) else [texts]))
+    return {anchor: sorted(ids) for anchor, ids in several.items() if len(ids) > 1}
+
+
+def arrow_batches(data):
+    """(anchors, positives) as Arrow arrays, 10,000 records at a time, of a datasets.Dataset or of columns as
+    lists."""
+    if not hasattr(data, "with_format"):
+        positives = [texts if isinstance(texts, list) else [texts] for texts in data["positive"]]
+        yield pa.array(data["anchor"]), pa.array(positives)
+        return
+    for batch in data.select_columns(["anchor", "positive"]).with_format("arrow").iter(10_000):
+        yield batch["anchor"], batch["positive"]
+
+
+def text_id(text):
+    """A text's id in the false-negative masks: equal texts, equal ids, on every process and in every run (a
+    hash, where Python's hash() is salted per process); 63 bits, so that it is >= 0 as an int64."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
