@@ -1,9 +1,10 @@
 """Data beyond memory: a synthetic JSON lines file of N triples (generated here, never committed), read by
 train.py's own data path (load_data, positives_by_anchor, make_loader, accelerate's prepared loader) in 2
 processes up to the first batch of the first step: once converting (train_parts/records.py), once reusing
-the conversion and the known positives that the first launch kept in the data cache. Today's reading
-(pairs.load_pairs of commit 90948cf: records into Python lists, then Dataset.from_dict) is timed side by
-side on the first records of the smallest file.
+the conversion and the known positives that the first launch kept in the data cache; then train.py itself
+trains 3 steps on it (the bundled model, 2 processes), its processes' memory read from outside. Today's
+reading (pairs.load_pairs of commit 90948cf: records into Python lists, then Dataset.from_dict) is timed
+side by side on the first records of the smallest file.
 
     python bench/data_scale.py --sizes 1000000 3000000 10000000
 
@@ -14,6 +15,7 @@ bench/results/data_scale_cpu.json and .md; make_results.py puts them into RESULT
 """
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -23,6 +25,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+import psutil
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -39,8 +43,8 @@ def generate(path, count, seed=0):
             out.write(json.dumps({"query": f"{i} {query}", "pos": f"{i} {pos}", "neg": f"{i} {neg}"}) + "\n")
 
 
-def rss_anon():
-    for line in Path("/proc/self/status").read_text().splitlines():
+def rss_anon(pid="self"):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
     return 0
@@ -96,6 +100,39 @@ def two_processes(data, batch_size):
     if done.returncode or len(list(readings.iterdir())) != 2:
         sys.exit(f"the launch failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return [json.loads((readings / f"{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def trained(data, work, steps=3, batch_size=32):
+    """train.py itself, as a user launches it (the bundled model, 2 processes, on the reused conversion)
+    for `steps` steps: (seconds, the highest anonymous resident memory of each of its processes)."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    command += [str(REPO / "accelerate_configs" / "cpu_ddp_2proc.yaml"), "--num_processes", "2"]
+    command += [str(REPO / "train.py"), "--data", data, "--dev_data", "", "--max_steps", str(steps)]
+    command += [
+        "--batch_size",
+        str(batch_size),
+        "--chunk_size",
+        "16",
+        "--eval_steps",
+        "0",
+        "--save_steps",
+        "0",
+    ]
+    command += ["--wandb_mode", "disabled", "--output_dir", str(work / "run")]
+    environment = os.environ | {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    shutil.rmtree(work / "run", ignore_errors=True)
+    started, highest = time.time(), {}
+    with open(work / "train.log", "w") as log:
+        launch = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=environment)
+        while launch.poll() is None:
+            for child in psutil.Process(launch.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error, OSError):
+                    if "LOCAL_RANK" in child.environ():  # torchrun's workers, not the launcher
+                        highest[child.pid] = max(highest.get(child.pid, 0), rss_anon(child.pid))
+            time.sleep(0.2)
+    if launch.returncode or len(highest) != 2:
+        sys.exit(f"train.py failed: see {work / 'train.log'}")
+    return time.time() - started, sorted(highest.values())
 
 
 def todays_reading(data, records):
@@ -166,7 +203,9 @@ def main():
             two_processes(str(data), args.batch_size),
             two_processes(str(data), args.batch_size),
         )
+        seconds, training_rss = trained(str(data), work)
         point = {"triples": size, "bytes": data.stat().st_size, "converting": converting, "reusing": reusing}
+        point["training"] = {"steps": 3, "seconds": seconds, "rss_anon_peak": training_rss}
         results["sizes"].append(point)
         print(json.dumps(point))
         write(results, Path(args.results_dir))
@@ -183,8 +222,9 @@ def write(results, folder):
     rows = [
         "| triples | file | conversion (2 processes, s) | first batch, converting (s) "
         "| first batch, reused (s) | data RSS a process, reused (MB, max of 2) | its peak (MB) "
-        "| data RSS peak, converting (MB) | known positives, searched / reused (s) |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| data RSS peak, converting (MB) | known positives, searched / reused (s) "
+        "| train.py, 3 steps: peak RSS a process (MB, max of 2) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for point in results["sizes"]:
         converting, reusing = point["converting"], point["reusing"]
@@ -196,7 +236,8 @@ def write(results, folder):
             f"| {max(r['data_rss_anon_peak'] for r in reusing) / MB:.0f} "
             f"| {max(r['data_rss_anon_peak'] for r in converting) / MB:.0f} "
             f"| {max(r['positives_s'] for r in converting):.1f} "
-            f"/ {max(r['positives_s'] for r in reusing):.1f} |"
+            f"/ {max(r['positives_s'] for r in reusing):.1f} "
+            f"| {max(point['training']['rss_anon_peak']) / MB:.0f} |"
         )
     (folder / "data_scale_cpu.md").write_text("\n".join(rows) + "\n")
 

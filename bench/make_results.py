@@ -576,12 +576,25 @@ def data_scale_targets(saved):
                            f"launch, {masks:.1f} s of it positives_by_anchor (--mask_repeated_texts on: "
                            f"read from the data cache); load average {saved['load_average']:.1f} on "
                            f"{saved['cpus']} cores at the start.")  # fmt: skip
+    for triples, point in sorted(points.items()):
+        if training := point.get("training"):
+            highest = mib(max(training["rss_anon_peak"]))
+            rows.append([f"{triples:,} triples: train.py trains {training['steps']} steps in 2 processes "
+                         "(the bundled model, the reused conversion)", f"in {training['seconds']:.0f} s, the "
+                         f"highest resident memory a process {highest} (model, optimizer and data)",
+                         "measured"])  # fmt: skip
     if len(points) >= 2:
         (small, low), (large, high) = sorted(points.items())[0], sorted(points.items())[-1]
         peak = [max(r["data_rss_anon_peak"] for r in p["reusing"]) for p in (low, high)]
         rows.append([f"memory flat: the reused peak at {large:,} triples against {small:,}",
                      f"{peak[1] / peak[0]:.2f}x for {large / small:.0f}x the triples",
                      "measured"])  # fmt: skip
+        if "training" in low and "training" in high:
+            grown = max(high["training"]["rss_anon_peak"]) - max(low["training"]["rss_anon_peak"])
+            rows.append([f"memory flat while training: train.py's highest resident memory a process at "
+                         f"{large:,} triples less at {small:,}, at most {mib(DATA_RSS_TARGET)}",
+                         f"{grown / 2**20:+,.0f} MiB for {large / small:.0f}x the triples",
+                         verdict(grown, DATA_RSS_TARGET)])  # fmt: skip
     if DATA_TARGET_TRIPLES not in points:
         largest = max(points, default=0)
         rows.append(
