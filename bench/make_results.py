@@ -660,7 +660,29 @@ def multi_vector_targets(saved):
     if (small["batch_size"], large["batch_size"]) != MULTI_VECTOR_BATCHES:
         word += f", at batches {small['batch_size']:,} and {large['batch_size']:,}"
         why.append(multi_vector_unrun(points, MULTI_VECTOR_BATCHES[1]))
-    return [[target, measured, word], multi_vector_beside_st(points, settings)], why
+    return [[target, measured, word], multi_vector_beside_st(points, settings)], why + multi_vector_starved(
+        points
+    )
+
+
+def multi_vector_starved(points):
+    """A note where ours' and st's steps at the largest batch both ran got unlike shares of the cores (CPU
+    seconds a wall second more than a quarter apart): the wall time ratio then measures the machine."""
+    both = [b for m, b in points if m == "st" and points[m, b]["fits"] and ("ours", b) in points]
+    if not both:
+        return []
+    ours, st = points["ours", max(both)], points["st", max(both)]
+    share = [p["cpu_seconds"] / p["seconds"] for p in (ours, st)]
+    if abs(share[0] / share[1] - 1) <= 0.25:
+        return []
+    return [
+        f"Multi-vector beside st at batch {max(both):,}: ours' step ran at {share[0]:.2f} CPU seconds a "
+        f"second of wall time, st's at {share[1]:.2f} (the same threads): the cores were shared with other "
+        f"work during {'ours' if share[0] < share[1] else 'st'}', so the wall time ratio "
+        f"({ours['seconds'] / st['seconds']:.2f}x) {'over' if share[0] < share[1] else 'under'}states ours' "
+        "time; the CPU time ratio "
+        f"({ours['cpu_seconds'] / st['cpu_seconds']:.2f}x) compares the work."
+    ]
 
 
 MULTI_VECTOR_PHASES = {
