@@ -86,17 +86,23 @@ def worker(data, batch_size, started, readings):
     Path(readings, f"{accelerator.process_index}.json").write_text(json.dumps(reading))
 
 
+# Both launches: accelerate's 2-process CPU config, one thread a process
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--config_file"]
+LAUNCH += [str(REPO / "accelerate_configs" / "cpu_ddp_2proc.yaml")]
+
+
+def environment():  # read at each launch: main sets GRADCACHE_DATA_CACHE first
+    return os.environ | {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+
+
 def two_processes(data, batch_size):
     """The readings of both processes of one launch, the launch's start the clock's zero."""
     started = time.time()
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
-    command += [str(REPO / "accelerate_configs" / "cpu_ddp_2proc.yaml"), "--num_processes", "2"]
     readings = Path(data).parent / "readings"
     shutil.rmtree(readings, ignore_errors=True)
     readings.mkdir()
-    command += [__file__, "--worker", data, str(batch_size), str(started), str(readings)]
-    environment = os.environ | {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=environment)
+    command = [*LAUNCH, __file__, "--worker", data, str(batch_size), str(started), str(readings)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=environment())
     if done.returncode or len(list(readings.iterdir())) != 2:
         sys.exit(f"the launch failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return [json.loads((readings / f"{rank}.json").read_text()) for rank in (0, 1)]
@@ -105,25 +111,13 @@ def two_processes(data, batch_size):
 def trained(data, work, steps=3, batch_size=32):
     """train.py itself, as a user launches it (the bundled model, 2 processes, on the reused conversion)
     for `steps` steps: (seconds, the highest anonymous resident memory of each of its processes)."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
-    command += [str(REPO / "accelerate_configs" / "cpu_ddp_2proc.yaml"), "--num_processes", "2"]
-    command += [str(REPO / "train.py"), "--data", data, "--dev_data", "", "--max_steps", str(steps)]
-    command += [
-        "--batch_size",
-        str(batch_size),
-        "--chunk_size",
-        "16",
-        "--eval_steps",
-        "0",
-        "--save_steps",
-        "0",
-    ]
-    command += ["--wandb_mode", "disabled", "--output_dir", str(work / "run")]
-    environment = os.environ | {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    command = [*LAUNCH, str(REPO / "train.py"), "--data", data, "--dev_data", "", "--max_steps", str(steps)]
+    command += ["--batch_size", str(batch_size), "--chunk_size", "16", "--eval_steps", "0"]
+    command += ["--save_steps", "0", "--wandb_mode", "disabled", "--output_dir", str(work / "run")]
     shutil.rmtree(work / "run", ignore_errors=True)
     started, highest = time.time(), {}
     with open(work / "train.log", "w") as log:
-        launch = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=environment)
+        launch = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=environment())
         while launch.poll() is None:
             for child in psutil.Process(launch.pid).children(recursive=True):
                 with contextlib.suppress(psutil.Error, OSError):
